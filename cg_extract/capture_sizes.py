@@ -46,7 +46,7 @@ class CaptureSizes:
         """Smallest captured size >= ``n``; None above the largest (run eager)."""
         if n > self.max_size:
             return None
-        return self._pad_table[n]
+        return self._pad_table[max(n, 0)]
 
     def __contains__(self, n: int) -> bool:
         return n in self.sizes

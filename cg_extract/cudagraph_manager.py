@@ -124,14 +124,16 @@ class CudaGraphManager:
         padded = self.capture_sizes.pad(num_tokens)
         return padded if padded in self._graphs else None
 
-    def capture(self, step: Step, desc: str = "Capturing CUDA graphs") -> None:
+    def capture(
+        self, step: Step, desc: str = "Capturing CUDA graphs", progress: bool = True
+    ) -> None:
         """Warm up and capture ``step`` for every size, largest first."""
         if self._graphs:
             raise GraphCaptureError("graphs already captured; call release() first")
         sizes = sorted(self.capture_sizes.sizes, reverse=True)
         start = time.perf_counter()
         free_before = self._free_device_memory()
-        for size in tqdm(sizes, desc=f"{desc} ({self.backend})", leave=False):
+        for size in tqdm(sizes, desc=f"{desc} ({self.backend})", disable=not progress):
             step(size)  # eager warm-up: lazy init and autotuning stay out of the graph
             self._graphs[size] = self._capture_one(step, size)
         self._sync()
@@ -189,7 +191,17 @@ _UNCAPTURABLE = {
     "aten::masked_select",
     "aten::unique_consecutive",
     "aten::_unique2",
+    "aten::unique_dim",
+    "aten::bincount",
 }
+
+
+def _has_mask_index(args: tuple[Any, ...]) -> bool:
+    """``x[mask]``: a boolean index sizes the output from device data."""
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+        for i in args[1]
+    )
 
 
 @dataclass(frozen=True)
@@ -197,7 +209,7 @@ class _TensorRef:
     """Where an op's tensor argument lives. External memory is named by its
     address, internal (step-allocated) memory by its allocation index."""
 
-    kind: str  # "external" | "internal"
+    kind: str  # "external" | "internal" | "empty"
     where: int  # data pointer of the storage, or allocation index
     offset: int
     shape: tuple[int, ...]
@@ -239,6 +251,9 @@ class _Recorder(TorchDispatchMode):
     def _ref(self, t: torch.Tensor) -> _TensorRef:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
+        if storage.nbytes() == 0:
+            # Empty tensors own no memory; they all share address 0.
+            return _TensorRef("empty", 0, 0, tuple(t.shape), tuple(t.stride()), t.dtype)
         self.held.setdefault(ptr, storage)
         kind, where = (
             ("internal", self.internal[ptr])
@@ -260,7 +275,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
-        if name in _UNCAPTURABLE:
+        if name in _UNCAPTURABLE or (name == "aten::index" and _has_mask_index(args)):
             raise GraphCaptureError(
                 f"{name} (size {self.size}) synchronises with the host or sizes "
                 "its output from device data; a CUDA graph cannot capture it"
@@ -279,7 +294,7 @@ class _Recorder(TorchDispatchMode):
                 continue
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr not in self.held:
+            if storage.nbytes() and ptr not in self.held:
                 self.held[ptr] = storage
                 self.internal[ptr] = len(self.internal)
                 allocs.append((storage.nbytes(), t.dtype))
@@ -314,7 +329,7 @@ class _Recorder(TorchDispatchMode):
                 f"{where}: {len(refs)} arguments, {len(want.args)} at capture"
             )
         for i, (got, exp) in enumerate(zip(refs, want.args, strict=True)):
-            if got == exp:
+            if got == exp or (got != got and exp != exp):  # NaN == NaN here
                 continue
             if isinstance(exp, _TensorRef) or isinstance(got, _TensorRef):
                 raise StaticMemoryViolation(

