@@ -103,11 +103,14 @@ class ExtractGraphConfig:
                 f"pipeline parallelism (pipeline_parallel_size={pp}); use "
                 "pipeline_parallel_size=1"
             )
-        kv_transfer = vllm_config.kv_transfer_config
-        connector = kv_transfer.kv_connector if kv_transfer is not None else None
-        if connector is not None and connector not in GRAPH_SAFE_CONNECTORS:
+        unsafe = [
+            c
+            for c in _connector_names(vllm_config.kv_transfer_config)
+            if c not in GRAPH_SAFE_CONNECTORS
+        ]
+        if unsafe:
             raise ValueError(
-                f"'cudagraph': true cannot run with KV connector {connector!r}: "
+                f"'cudagraph': true cannot run with KV connector {unsafe[0]!r}: "
                 "a graph replay skips the connector's per-forward save_kv_layer, "
                 "which would lose hidden states. Graph mode runs with no "
                 f"connector or with {list(GRAPH_SAFE_CONNECTORS)}; otherwise set "
@@ -116,6 +119,16 @@ class ExtractGraphConfig:
 
 
 KEYS = tuple(ExtractGraphConfig.__dataclass_fields__)
+
+
+def _connector_names(kv_transfer_config: Any) -> list[str]:
+    """The configured connectors; a MultiConnector stands for its children."""
+    if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
+        return []
+    if kv_transfer_config.kv_connector == "MultiConnector":
+        children = kv_transfer_config.kv_connector_extra_config.get("connectors", [])
+        return [child.get("kv_connector") for child in children]
+    return [kv_transfer_config.kv_connector]
 
 
 def _validate_sizes(sizes: Any) -> tuple[int, ...]:

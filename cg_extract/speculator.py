@@ -274,13 +274,20 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             return draft_tokens
 
         assert self.graphs is not None
+        self._copy_inputs(slots, is_padding, padded)
+        self.graphs.replay(padded)
+        self.replays += 1
+        return draft_tokens
+
+    def _copy_inputs(
+        self, slots: torch.Tensor, is_padding: torch.Tensor, padded: int
+    ) -> None:
+        """Fill the graph's static inputs; the padded tail goes to the null block."""
+        num_tokens = slots.shape[0]
         self.slot_mapping[:num_tokens].copy_(slots)
         self.slot_mapping[num_tokens:padded].fill_(PAD_SLOT_ID)
         self.is_padding[:num_tokens].copy_(is_padding)
         self.is_padding[num_tokens:padded].fill_(True)
-        self.graphs.replay(padded)
-        self.replays += 1
-        return draft_tokens
 
     def _graph_size(
         self, num_tokens: int, dp_sync_state: DPSyncState | None

@@ -66,9 +66,14 @@ def build_vllm_config(
     dtype: str = "float32",
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 128,
+    engine_args: dict[str, Any] | None = None,
     **spec_extra: Any,
 ):
-    """``EngineArgs(...).create_engine_config()`` as ``LLM(...)`` would call it."""
+    """``EngineArgs(...).create_engine_config()`` as ``LLM(...)`` would call it.
+
+    ``spec_extra`` goes into the speculative config, ``engine_args`` to
+    ``EngineArgs`` itself.
+    """
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
@@ -79,6 +84,7 @@ def build_vllm_config(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         speculative_config=speculative_config(list(aux_layer_ids), **spec_extra),
+        **(engine_args or {}),
     ).create_engine_config()
 
 

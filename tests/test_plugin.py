@@ -1,0 +1,235 @@
+"""The plugin with real vLLM: entry point, the three config paths, bad input,
+worker transport, speculator dispatch and the version guard."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from cg_extract import plugin
+from cg_extract.config import ExtractGraphConfig
+from cg_extract.speculator import ExtractHiddenStatesSpeculator
+from cg_extract.testing import build_vllm_config, speculative_config
+
+OURS = {
+    "cudagraph": True,
+    "cudagraph_capture_sizes": [1, 2, 4, 8],
+    "cudagraph_backend": "emulated",
+}
+EXPECTED = ExtractGraphConfig(True, (1, 2, 4, 8), "emulated")
+
+
+def common_args(model_dir):
+    return dict(
+        model=str(model_dir),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+    )
+
+
+def cli_config(model_dir, parser_owner, spec):
+    parser = parser_owner.add_cli_args(FlexibleArgumentParser())
+    argv = [
+        "--model", str(model_dir), "--load-format", "dummy",
+        "--skip-tokenizer-init", "--dtype", "float32",
+        "--speculative-config", json.dumps(spec),
+    ]  # fmt: skip
+    return parser_owner.from_cli_args(parser.parse_args(argv)).create_engine_config()
+
+
+def test_entry_point_is_declared():
+    (ep,) = [
+        ep
+        for ep in entry_points(group="vllm.general_plugins")
+        if ep.name == "cg_extract"
+    ]
+    assert ep.value == "cg_extract.plugin:register"
+    assert ep.load() is plugin.register
+
+
+def test_three_config_paths_agree(model_dir):
+    spec = speculative_config([1, 2, 3], **OURS)
+    via_cli = cli_config(model_dir, EngineArgs, spec)
+    via_async_cli = cli_config(model_dir, AsyncEngineArgs, spec)
+    via_kwargs = EngineArgs(
+        **common_args(model_dir), speculative_config=spec
+    ).create_engine_config()
+    via_async = AsyncEngineArgs(
+        **common_args(model_dir), speculative_config=dict(spec)
+    ).create_engine_config()
+    for cfg in (via_cli, via_async_cli, via_kwargs, via_async):
+        assert ExtractGraphConfig.from_vllm_config(cfg) == EXPECTED
+        assert cfg.speculative_config.method == "extract_hidden_states"
+    assert "cudagraph" in spec, "the user's dict is left as given"
+
+
+def test_defaults_when_keys_absent(model_dir):
+    cfg = build_vllm_config(model_dir)
+    assert ExtractGraphConfig.from_vllm_config(cfg) == ExtractGraphConfig()
+
+
+def test_keys_survive_pickling_to_workers(model_dir):
+    cfg = build_vllm_config(model_dir, **OURS)
+    assert (
+        ExtractGraphConfig.from_vllm_config(pickle.loads(pickle.dumps(cfg))) == EXPECTED
+    )
+
+
+def test_init_speculator_builds_ours_with_and_without_graphs(model_dir):
+    from vllm.v1.worker.gpu.spec_decode import init_speculator
+
+    from cg_extract.testing import _cpu_safe_model_loading
+
+    for cudagraph in (False, True):
+        cfg = build_vllm_config(
+            model_dir, cudagraph=cudagraph, cudagraph_backend="emulated"
+        )
+        with _cpu_safe_model_loading(torch.device("cpu")):
+            spec = init_speculator(cfg, torch.device("cpu"), None)
+        assert type(spec) is ExtractHiddenStatesSpeculator
+        assert spec.graph_config.cudagraph is cudagraph
+
+
+def test_other_methods_keep_vllm_dispatch(model_dir):
+    """ngram_gpu still reaches vLLM's own NgramGPUSpeculator (which needs
+    Triton, absent here): the plugin did not intercept it."""
+    from vllm.v1.worker.gpu.spec_decode import init_speculator
+
+    cfg = EngineArgs(
+        **common_args(model_dir),
+        speculative_config={
+            "method": "ngram_gpu",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },
+    ).create_engine_config()
+    with pytest.raises(
+        RuntimeError, match="ngram_gpu speculative decoding requires Triton"
+    ):
+        init_speculator(cfg, torch.device("cpu"), None)
+
+
+def test_register_is_idempotent():
+    import vllm.v1.worker.gpu.spec_decode.extract_hidden_states as upstream_module
+
+    wrapped = EngineArgs.create_engine_config
+    plugin.register()
+    plugin.register()
+    assert EngineArgs.create_engine_config is wrapped
+    assert (
+        upstream_module.ExtractHiddenStatesSpeculator is ExtractHiddenStatesSpeculator
+    )
+    upstream = plugin.upstream_speculator_class()
+    assert upstream is not ExtractHiddenStatesSpeculator
+    assert upstream.__module__ == "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0"])
+def test_unsupported_vllm_is_refused(monkeypatch, version):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    with pytest.raises(
+        RuntimeError, match=rf"supports vLLM 0.32 and 0.33.*vLLM {version} is installed"
+    ):
+        plugin.register()
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.1"])
+def test_supported_vllm_versions(version):
+    plugin.check_vllm_version(version)
+
+
+BAD_INPUTS = [
+    ({"cudagraph": "yes"}, r"'cudagraph' must be true or false, got 'yes'"),
+    ({"cudagraph": 1}, r"'cudagraph' must be true or false, got 1"),
+    (
+        {"cudagraph_capture_sizes": []},
+        r"'cudagraph_capture_sizes' must be a non-empty list",
+    ),
+    ({"cudagraph_capture_sizes": [0, 8]}, r"positive integers, got \[0\]"),
+    ({"cudagraph_capture_sizes": [2.5]}, r"positive integers, got \[2.5\]"),
+    ({"cudagraph_capture_sizes": [8, 8]}, r"duplicate sizes \[8\]"),
+    (
+        {"cudagraph_capture_sizes": [8, 4096]},
+        r"\[4096\] above max_num_batched_tokens=2048",
+    ),
+    (
+        {"cudagraph_backend": "xla"},
+        r"'cudagraph_backend' must be one of \['auto', 'cuda', 'emulated'\], got 'xla'",
+    ),
+    (
+        {"cudagraphs": True},
+        r"unknown speculative config key 'cudagraphs'; did you mean 'cudagraph'",
+    ),
+    (
+        {"cuda_graph": True},
+        r"unknown speculative config key 'cuda_graph'; did you mean 'cudagraph'",
+    ),
+]
+
+
+@pytest.mark.parametrize("keys, message", BAD_INPUTS)
+def test_bad_input_fails_when_config_is_built(model_dir, keys, message):
+    with pytest.raises(ValueError, match=message):
+        build_vllm_config(model_dir, **keys)
+
+
+def test_bad_input_fails_on_the_cli_too(model_dir):
+    with pytest.raises(ValueError, match="did you mean 'cudagraph'"):
+        cli_config(model_dir, EngineArgs, speculative_config([1], cudagraphs=True))
+
+
+def test_our_keys_with_another_method(model_dir):
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "prompt_lookup_max": 3,
+        "cudagraph": True,
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"\['cudagraph'\] apply only to method 'extract_hidden_states', got method 'ngram'",
+    ):
+        EngineArgs(
+            **common_args(model_dir), speculative_config=spec
+        ).create_engine_config()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_cuda_backend_without_cuda(model_dir):
+    with pytest.raises(
+        ValueError,
+        match="'cudagraph_backend' is 'cuda' but this machine has no CUDA device",
+    ):
+        build_vllm_config(model_dir, cudagraph=True, cudagraph_backend="cuda")
+
+
+def test_stock_vllm_rejects_the_key_without_the_plugin(model_dir):
+    code = (
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        f"EngineArgs(model={str(model_dir)!r}, load_format='dummy', skip_tokenizer_init=True,"
+        " dtype='float32', speculative_config={'method': 'extract_hidden_states',"
+        " 'num_speculative_tokens': 1, 'cudagraph': True}).create_engine_config()\n"
+    )
+    env = {**os.environ, "VLLM_PLUGINS": "none_of_them"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert (
+        "cudagraph" in proc.stderr and "Unexpected keyword argument" in proc.stderr
+    ), proc.stderr[-2000:]

@@ -1,0 +1,147 @@
+"""Our eager speculator against vLLM's own class, with the real cache-only
+model, a real KV cache and the connector's own reader."""
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    extract_from_kv_cache,
+)
+
+from cg_extract.plugin import upstream_speculator_class
+from cg_extract.speculator import ExtractHiddenStatesSpeculator
+from cg_extract.testing import build_vllm_config, load_speculator, make_step_inputs
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir):
+    cfg = build_vllm_config(model_dir, aux_layer_ids=[0, 2, 3])
+    return load_speculator(upstream_speculator_class(), cfg), load_speculator(
+        ExtractHiddenStatesSpeculator, cfg
+    )
+
+
+def run_both(pair, num_tokens, seed, num_padding=0):
+    upstream, ours = pair
+    got = []
+    for loaded in (upstream, ours):
+        inputs = make_step_inputs(
+            loaded,
+            num_tokens,
+            torch.Generator().manual_seed(seed),
+            num_padding=num_padding,
+        )
+        got.append((loaded.speculator.propose(**inputs.kwargs), inputs))
+    return got
+
+
+def test_eager_matches_upstream_over_random_batches(pair):
+    upstream, ours = pair
+    gen = torch.Generator().manual_seed(1234)
+    for seed in range(300):
+        n = int(torch.randint(1, 1000, (), generator=gen))
+        pad = int(torch.randint(0, 8, (), generator=gen))
+        (up_tokens, _), (our_tokens, inputs) = run_both(pair, n, seed, num_padding=pad)
+        assert torch.equal(up_tokens, our_tokens)
+        assert torch.equal(upstream.kv_cache, ours.kv_cache), (
+            f"caches differ at seed {seed}, n={n}"
+        )
+        # The connector reads back exactly what the target produced.
+        stacked = torch.stack(inputs.aux_hidden_states, dim=1)[:n]
+        assert torch.equal(
+            extract_from_kv_cache(ours.kv_cache, inputs.slots, n), stacked
+        )
+
+
+def test_draft_tokens_are_last_sampled_of_each_request(pair):
+    _, ours = pair
+    inputs = make_step_inputs(ours, 12, torch.Generator().manual_seed(7), num_reqs=5)
+    tokens = ours.speculator.propose(**inputs.kwargs)
+    batch = inputs.kwargs["input_batch"]
+    assert tokens.shape == (5, 1)
+    assert torch.equal(tokens, inputs.kwargs["last_sampled"][batch.idx_mapping, :1])
+
+
+def test_padding_goes_to_the_null_block_only(pair):
+    _, ours = pair
+    ours.kv_cache.zero_()
+    inputs = make_step_inputs(ours, 10, torch.Generator().manual_seed(3), num_padding=6)
+    ours.speculator.propose(**inputs.kwargs)
+    touched = ours.kv_cache.flatten(1).abs().sum(1) != 0
+    owned = set((inputs.slots // ours.block_size).tolist())
+    assert touched[0], "padding tokens land in block 0"
+    assert set(touched.nonzero().flatten().tolist()) - {0} == owned
+
+
+def test_skip_attn_dummy_run_writes_nothing(pair):
+    _, ours = pair
+    ours.kv_cache.zero_()
+    inputs = make_step_inputs(ours, 16, torch.Generator().manual_seed(5))
+    tokens = ours.speculator.propose(
+        **inputs.kwargs, dummy_run=True, skip_attn_for_dummy_run=True
+    )
+    assert tokens.shape[1] == 1
+    assert not ours.kv_cache.any()
+
+
+@pytest.mark.parametrize(
+    "aux, message",
+    [
+        (None, "aux_hidden_states are required"),
+        ("short", "Expected 3 auxiliary hidden states, got 2"),
+    ],
+)
+def test_missing_aux_hidden_states(pair, aux, message):
+    _, ours = pair
+    inputs = make_step_inputs(ours, 4, torch.Generator().manual_seed(0))
+    inputs.kwargs["aux_hidden_states"] = (
+        None if aux is None else inputs.aux_hidden_states[:2]
+    )
+    with pytest.raises(ValueError, match=message):
+        ours.speculator.propose(**inputs.kwargs)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (
+            {"draft_sample_method": "probabilistic"},
+            "only supports draft_sample_method='greedy'",
+        ),
+        (
+            {"disable_padded_drafter_batch": True},
+            "disable_padded_drafter_batch is not supported",
+        ),
+    ],
+)
+def test_pr_validations(model_dir, keys, message):
+    cfg = build_vllm_config(model_dir, **keys)
+    for cls in (upstream_speculator_class(), ExtractHiddenStatesSpeculator):
+        with pytest.raises(ValueError, match=message):
+            load_speculator(cls, cfg)
+
+
+def test_num_speculative_tokens_must_be_one(model_dir):
+    cfg = build_vllm_config(model_dir, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="requires num_speculative_tokens to be 1"):
+        load_speculator(ExtractHiddenStatesSpeculator, cfg)
+
+
+def test_aux_layer_ids_required(model_dir):
+    cfg = build_vllm_config(model_dir)
+    cfg.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids = []
+    with pytest.raises(
+        ValueError, match="eagle_aux_hidden_state_layer_ids must be set"
+    ):
+        load_speculator(ExtractHiddenStatesSpeculator, cfg)
+
+
+def test_buffers_match_the_pr(pair):
+    upstream, ours = pair
+    assert (
+        ours.speculator.hidden_states.shape == upstream.speculator.hidden_states.shape
+    )
+    assert (
+        ours.speculator.hidden_states.dtype == upstream.speculator.hidden_states.dtype
+    )
+    assert ours.speculator.num_hidden_states == 3
+    assert ours.kv_cache.shape[1] == 3

@@ -1,0 +1,309 @@
+"""Graph mode on the emulated backend against eager, with the real vLLM config,
+the real ExtractHiddenStatesModel and a real KV cache."""
+
+import pytest
+import torch
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.dp_utils import DPSyncState
+
+from cg_extract.plugin import upstream_speculator_class
+from cg_extract.speculator import ExtractHiddenStatesSpeculator
+from cg_extract.testing import build_vllm_config, load_speculator, make_step_inputs
+
+SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+GRAPH_KEYS = dict(
+    cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=SIZES
+)
+
+
+def graph_speculator(cfg, mode=CUDAGraphMode.FULL_AND_PIECEWISE, capture=True):
+    loaded = load_speculator(ExtractHiddenStatesSpeculator, cfg, num_blocks=16)
+    loaded.speculator.init_cudagraph_manager(mode)
+    if capture:
+        loaded.speculator.capture()
+    return loaded
+
+
+def step_both(reference, graphed, num_tokens, seed, num_padding=0, **propose_kwargs):
+    """Run one identical step on both; return both draft-token tensors."""
+    out = []
+    for loaded in (reference, graphed):
+        inputs = make_step_inputs(
+            loaded,
+            num_tokens,
+            torch.Generator().manual_seed(seed),
+            num_padding=num_padding,
+        )
+        out.append(loaded.speculator.propose(**inputs.kwargs, **propose_kwargs))
+    return out
+
+
+def assert_same_cache(reference, graphed, context=""):
+    # Block 0 is the null block: graph padding writes stale rows there.
+    ref, got = reference.kv_cache[1:], graphed.kv_cache[1:]
+    assert torch.equal(ref.view(torch.uint8), got.view(torch.uint8)), (
+        f"KV caches differ {context}"
+    )
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def configs(request, model_dir):
+    return build_vllm_config(model_dir, dtype=request.param), build_vllm_config(
+        model_dir, dtype=request.param, **GRAPH_KEYS
+    )
+
+
+def test_graph_mode_matches_eager_over_thousands_of_steps(configs):
+    eager_cfg, graph_cfg = configs
+    reference = load_speculator(upstream_speculator_class(), eager_cfg, num_blocks=16)
+    graphed = graph_speculator(graph_cfg)
+    graphed_kv_bytes = graphed.kv_cache.element_size()
+    assert graphed_kv_bytes == (
+        4 if eager_cfg.model_config.dtype == torch.float32 else 2
+    )
+    gen = torch.Generator().manual_seed(0)
+    expected_replays = expected_eager = 0
+    for seed in range(2000):
+        n = int(
+            torch.randint(1, 100, (), generator=gen)
+        )  # up to 99 > 64, the largest size
+        pad = int(torch.randint(0, 3, (), generator=gen)) if n < 60 else 0
+        ref_tokens, graph_tokens = step_both(
+            reference, graphed, n, seed, num_padding=pad
+        )
+        assert torch.equal(ref_tokens, graph_tokens)
+        assert_same_cache(reference, graphed, f"at step {seed}, {n}+{pad} tokens")
+        if n + pad <= max(SIZES):
+            expected_replays += 1
+        else:
+            expected_eager += 1
+    stats = graphed.speculator.cudagraph_stats()
+    assert stats == {
+        "captured_sizes": SIZES,
+        "replays": expected_replays,
+        "eager_fallbacks": expected_eager,
+    }
+    assert expected_replays > 1000 and expected_eager > 300
+
+
+def test_skipped_copy_in_is_caught(model_dir, monkeypatch):
+    """The comparison above fails when the slots are not copied in."""
+    reference = load_speculator(
+        upstream_speculator_class(), build_vllm_config(model_dir), num_blocks=16
+    )
+    graphed = graph_speculator(build_vllm_config(model_dir, **GRAPH_KEYS))
+    original = ExtractHiddenStatesSpeculator._copy_inputs
+
+    def skip_slots(self, slots, is_padding, padded):
+        original(self, slots[:0], is_padding[:0], padded)
+
+    monkeypatch.setattr(ExtractHiddenStatesSpeculator, "_copy_inputs", skip_slots)
+    with pytest.raises(AssertionError, match="KV caches differ"):
+        for seed in range(20):
+            step_both(reference, graphed, 5 + seed, seed)
+            assert_same_cache(reference, graphed)
+
+
+def test_eager_before_capture_and_above_the_largest_size(model_dir):
+    graphed = graph_speculator(
+        build_vllm_config(model_dir, **GRAPH_KEYS), capture=False
+    )
+    gen = torch.Generator().manual_seed(1)
+    # The runner's dummy and profile runs come before capture.
+    inputs = make_step_inputs(graphed, 8, gen)
+    graphed.speculator.propose(**inputs.kwargs, dummy_run=True, is_profile=True)
+    assert graphed.speculator.cudagraph_stats() == {
+        "captured_sizes": [],
+        "replays": 0,
+        "eager_fallbacks": 1,
+    }
+    graphed.speculator.capture()
+    graphed.speculator.propose(**make_step_inputs(graphed, 65, gen).kwargs)
+    graphed.speculator.propose(**make_step_inputs(graphed, 64, gen).kwargs)
+    assert graphed.speculator.cudagraph_stats()["replays"] == 1
+    assert graphed.speculator.cudagraph_stats()["eager_fallbacks"] == 2
+
+
+def test_skip_attn_dummy_run_neither_replays_nor_writes(model_dir):
+    graphed = graph_speculator(build_vllm_config(model_dir, **GRAPH_KEYS))
+    graphed.kv_cache.zero_()
+    inputs = make_step_inputs(graphed, 8, torch.Generator().manual_seed(2))
+    graphed.speculator.propose(
+        **inputs.kwargs, dummy_run=True, skip_attn_for_dummy_run=True
+    )
+    assert not graphed.kv_cache.any()
+    assert graphed.speculator.cudagraph_stats()["replays"] == 0
+
+
+def test_padding_pads_to_the_smallest_captured_size(model_dir, monkeypatch):
+    graphed = graph_speculator(build_vllm_config(model_dir, **GRAPH_KEYS))
+    replayed = []
+    original = graphed.speculator.graphs.replay
+    monkeypatch.setattr(
+        graphed.speculator.graphs, "replay", lambda n: replayed.append(n) or original(n)
+    )
+    for n in (1, 3, 17, 33, 64):
+        graphed.speculator.propose(
+            **make_step_inputs(graphed, n, torch.Generator().manual_seed(n)).kwargs
+        )
+    assert replayed == [1, 4, 24, 48, 64]
+    # The padded tail of the static slot buffer holds the padding slot.
+    assert graphed.speculator.slot_mapping[64 - 1].item() != -1
+    graphed.speculator.propose(
+        **make_step_inputs(graphed, 33, torch.Generator().manual_seed(0)).kwargs
+    )
+    assert (graphed.speculator.slot_mapping[33:48] == -1).all()
+
+
+def test_data_parallel_ranks_pad_to_the_same_size(model_dir, monkeypatch):
+    graphed = graph_speculator(build_vllm_config(model_dir, **GRAPH_KEYS))
+    replayed = []
+    original = graphed.speculator.graphs.replay
+    monkeypatch.setattr(
+        graphed.speculator.graphs, "replay", lambda n: replayed.append(n) or original(n)
+    )
+
+    def dp(*counts):
+        return DPSyncState(
+            torch.tensor(counts, dtype=torch.int32), None, False, max(counts)
+        )
+
+    inputs = make_step_inputs(graphed, 5, torch.Generator().manual_seed(0))
+    graphed.speculator.propose(**inputs.kwargs, dp_sync_state=dp(5, 20))
+    assert replayed == [24], "this rank pads to the size the busiest rank needs"
+    graphed.speculator.propose(**inputs.kwargs, dp_sync_state=dp(5, 100))
+    assert replayed == [24] and graphed.speculator.eager_fallbacks == 1, (
+        "all ranks go eager together"
+    )
+
+
+@pytest.mark.parametrize(
+    "mode, keys, reason",
+    [
+        (CUDAGraphMode.NONE, GRAPH_KEYS, "cudagraph_mode is NONE"),
+        (
+            CUDAGraphMode.PIECEWISE,
+            GRAPH_KEYS,
+            "cudagraph_mode is PIECEWISE, which has no FULL",
+        ),
+        (
+            CUDAGraphMode.FULL,
+            {**GRAPH_KEYS, "cudagraph": False},
+            "'cudagraph' is false",
+        ),
+        (
+            CUDAGraphMode.FULL,
+            {**GRAPH_KEYS, "enforce_eager": True},
+            "sets enforce_eager",
+        ),
+        (
+            CUDAGraphMode.FULL,
+            {**GRAPH_KEYS, "cudagraph_backend": "auto"},
+            "backend 'auto' found no CUDA device",
+        ),
+    ],
+)
+def test_no_graphs_and_why(model_dir, mode, keys, reason):
+    loaded = load_speculator(
+        ExtractHiddenStatesSpeculator, build_vllm_config(model_dir, **keys)
+    )
+    assert (
+        loaded.speculator._graph_backend(mode) == (None, pytest.approx(reason, abs=0))
+        or reason in loaded.speculator._graph_backend(mode)[1]
+    )
+    loaded.speculator.init_cudagraph_manager(mode)
+    assert loaded.speculator.graphs is None
+    loaded.speculator.capture()  # a no-op, as the runner calls it regardless
+    loaded.speculator.propose(
+        **make_step_inputs(loaded, 4, torch.Generator().manual_seed(0)).kwargs
+    )
+    assert loaded.speculator.cudagraph_stats() == {
+        "captured_sizes": [],
+        "replays": 0,
+        "eager_fallbacks": 0,
+    }
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        CUDAGraphMode.FULL,
+        CUDAGraphMode.FULL_DECODE_ONLY,
+        CUDAGraphMode.FULL_AND_PIECEWISE,
+    ],
+)
+def test_full_modes_capture(model_dir, mode):
+    graphed = graph_speculator(build_vllm_config(model_dir, **GRAPH_KEYS), mode=mode)
+    assert graphed.speculator.cudagraph_stats()["captured_sizes"] == SIZES
+
+
+def test_default_sizes_follow_the_target(model_dir):
+    cfg = build_vllm_config(
+        model_dir, max_num_seqs=16, cudagraph=True, cudagraph_backend="emulated"
+    )
+    graphed = graph_speculator(cfg, capture=False)
+    # vLLM's default for 16 requests, 2 tokens each (one speculative token).
+    assert graphed.speculator.graphs.capture_sizes.sizes == (
+        1,
+        2,
+        4,
+        8,
+        16,
+        24,
+        32,
+        40,
+        48,
+        56,
+        64,
+    )
+
+
+def test_unsafe_connector_is_refused_at_startup(model_dir):
+    kv = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    with pytest.raises(
+        ValueError,
+        match="cannot run with KV connector 'LMCacheConnectorV1'.*set 'cudagraph': false",
+    ):
+        build_vllm_config(
+            model_dir, engine_args={"kv_transfer_config": kv}, **GRAPH_KEYS
+        )
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": "ExampleHiddenStatesConnector",
+                    "kv_role": "kv_producer",
+                },
+                {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
+            ]
+        },
+    }
+    with pytest.raises(ValueError, match="KV connector 'OffloadingConnector'"):
+        build_vllm_config(
+            model_dir, engine_args={"kv_transfer_config": multi}, **GRAPH_KEYS
+        )
+
+
+def test_hidden_states_connector_is_allowed(model_dir, tmp_path):
+    kv = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+    }
+    cfg = build_vllm_config(
+        model_dir, engine_args={"kv_transfer_config": kv}, **GRAPH_KEYS
+    )
+    assert cfg.kv_transfer_config.kv_connector == "ExampleHiddenStatesConnector"
+    graph_speculator(cfg)
+
+
+def test_pipeline_parallel_is_refused(model_dir):
+    cfg = build_vllm_config(model_dir, **GRAPH_KEYS)
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(
+        ValueError,
+        match=r"does not support pipeline parallelism \(pipeline_parallel_size=2\)",
+    ):
+        load_speculator(ExtractHiddenStatesSpeculator, cfg)
