@@ -12,7 +12,10 @@ idempotent:
 * points ``vllm.v1.worker.gpu.spec_decode.extract_hidden_states.
   ExtractHiddenStatesSpeculator`` at our class. MRv2's ``init_speculator``
   imports that name at call time, so it builds ours for
-  ``method == "extract_hidden_states"`` and nothing else changes.
+  ``method == "extract_hidden_states"`` and nothing else changes;
+* wraps ``ModelCudaGraphManager.capture`` to publish the target's persistent
+  aux-hidden-state buffers (:mod:`cg_extract.target_buffers`), which the
+  zero-copy graphs read. The wrapper only reads an attribute after capture.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def register() -> None:
     check_vllm_version(vllm.__version__)
     _wrap_create_engine_config()
     _install_speculator()
+    _publish_target_graph_outputs()
 
 
 def upstream_speculator_class() -> type:
@@ -123,3 +127,21 @@ def _validate(vllm_config: Any) -> None:
     ExtractGraphConfig.from_vllm_config(vllm_config).validate_for(
         vllm_config, cuda_available=torch.cuda.is_available()
     )
+
+
+def _publish_target_graph_outputs() -> None:
+    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+
+    from cg_extract import target_buffers
+
+    original = ModelCudaGraphManager.capture
+    if getattr(original, "_cg_extract", False):
+        return
+
+    @functools.wraps(original)
+    def capture(self: ModelCudaGraphManager, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        target_buffers.publish(self.device, self.aux_hidden_states)
+
+    capture._cg_extract = True  # type: ignore[attr-defined]
+    ModelCudaGraphManager.capture = capture

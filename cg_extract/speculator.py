@@ -1,27 +1,34 @@
 """The MRv2 ``extract_hidden_states`` speculator, with CUDA graphs.
 
-Every step it writes the target's auxiliary hidden states into the
-hidden-state KV cache through vLLM's ``ExtractHiddenStatesModel`` (one
-cache-only attention layer) and returns ``last_sampled`` as the draft token,
-which verification always accepts. Connectors read the cache when a request
-finishes.
+Every step it stores the target's auxiliary hidden states in the hidden-state
+KV cache of vLLM's cache-only draft layer and returns ``last_sampled`` as the
+draft token, which verification always accepts. Connectors read the cache when
+a request finishes.
 
 One step, from ``propose`` to the KV cache:
 
 1. ``draft_tokens = last_sampled[idx_mapping, :1]``.
-2. The aux hidden states are stacked into ``self.hidden_states[:n]`` (one
-   kernel, no temporary).
-3. Graph path, when ``pad(n)`` has a graph: the draft layer's slots and the
-   padding mask are copied into static buffers, the tail up to ``pad(n)`` is
-   set to the padding slot (-1, which the layer sends to the null block 0),
-   and the captured forward is replayed. Eager path otherwise: the model runs
-   under a fresh forward context, exactly as vLLM's own class does.
-4. The cache-only layer scatters ``hidden_states[i]`` into
-   ``kv_cache[slot // block_size, :, slot % block_size]``.
+2. Pick a path for the ``n`` tokens:
+
+   * zero-copy graph: the target replayed a FULL graph, so the aux hidden
+     states and the draft layer's slots are views of persistent buffers that
+     a graph captured for exactly ``n`` tokens already reads. Replay, nothing
+     else;
+   * copy-in graph: ``pad(n)`` has a graph. Stack the aux hidden states into
+     the static buffer, copy the slots and padding mask, point the padded
+     tail at slot -1, replay;
+   * eager: no graph fits (``n`` above the largest size, nothing captured
+     yet, graphs off).
+
+3. Every path ends in :meth:`_write`: each aux hidden state is scattered
+   straight to ``kv_cache[slot // block_size, layer, slot % block_size]``
+   (slot -1 lands in the null block 0, as in vLLM's cache-only layer), then
+   the layer's KV-connector hooks run as vLLM's layer runs them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,12 +45,15 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.extract_hidden_states import (
     CacheOnlyAttentionMetadata,
+    dummy_attention,
 )
 from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 from vllm.v1.worker.gpu.dp_utils import DPSyncState
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
+from cg_extract import target_buffers
+from cg_extract.cache_write import write_per_layer
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.config import ExtractGraphConfig
 from cg_extract.cudagraph_manager import CudaGraphManager
@@ -86,16 +96,10 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         self.supports_mm_inputs = False
         self.num_hidden_states = len(layer_ids)
         assert isinstance(self.dtype, torch.dtype)
-        self.hidden_states = torch.zeros(
-            self.max_num_tokens,
-            self.num_hidden_states,
-            vllm_config.model_config.get_hidden_size(),
-            dtype=self.dtype,
-            device=device,
-        )
-        self.graphs: CudaGraphManager | None = None
-        self.replays = 0
-        self.eager_fallbacks = 0
+        self.graphs: CudaGraphManager | None = None  # copy-in graphs
+        self.zero_copy_graphs: CudaGraphManager | None = None
+        self._graph_inputs: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None
+        self.counts = {"zero_copy_replays": 0, "copy_in_replays": 0, "eager_steps": 0}
 
     def load_draft_model(
         self, target_model: nn.Module, target_attn_layer_names: set[str]
@@ -114,6 +118,30 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
                 f"layer, found {len(self.draft_attn_layer_names)}"
             )
         (self.layer_name,) = self.draft_attn_layer_names
+        forward_context = self.vllm_config.compilation_config.static_forward_context
+        self.cache_layer = forward_context[self.layer_name]
+        if self.cache_layer.kv_cache_torch_dtype != self.dtype:
+            raise ValueError(
+                f"the hidden-state cache is {self.cache_layer.kv_cache_torch_dtype} "
+                f"but the model's hidden states are {self.dtype}; "
+                "extract_hidden_states stores them unconverted"
+            )
+        # dummy_attention's placeholder: allocated once so graphs allocate nothing.
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------
+    # The write
+
+    def _write(self, aux_hidden_states: Sequence[torch.Tensor], slots: torch.Tensor):
+        """Scatter into the KV cache, then the layer's KV-connector hooks.
+
+        Byte-identical to ``CacheOnlyAttentionLayer.forward`` on the stacked
+        states, without stacking them: ``unified_kv_cache_update`` followed by
+        ``dummy_attention``, whose ``maybe_transfer_kv_layer`` decorator calls
+        the connector's ``wait_for_layer_load`` and ``save_kv_layer``.
+        """
+        write_per_layer(aux_hidden_states, self.cache_layer.kv_cache, slots)
+        dummy_attention(self.layer_name, self._placeholder)
 
     # ------------------------------------------------------------------
     # CUDA graphs
@@ -123,21 +151,30 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         if backend is None:
             logger.info_once("extract_hidden_states runs eagerly: %s.", reason)
             return
-        pool = None
-        if backend == "cuda":
-            from vllm.platforms import current_platform
-
-            pool = current_platform.get_global_graph_pool()
         self.graphs = CudaGraphManager(
-            self._capture_sizes(), self.device, backend=backend, pool=pool
+            self._capture_sizes(),
+            self.device,
+            backend=backend,
+            pool=self._pool(backend),
         )
-        # Static inputs besides self.hidden_states, whose prefix the graphs read.
+        hidden_size = self.vllm_config.model_config.get_hidden_size()
+        self.hidden_states = self.graphs.static_buffer(
+            "hidden_states", (self.num_hidden_states, hidden_size), self.dtype
+        )
         self.slot_mapping = self.graphs.static_buffer(
             "slot_mapping", (), torch.int64, fill_value=PAD_SLOT_ID
         )
         self.is_padding = self.graphs.static_buffer(
             "is_padding", (), torch.bool, fill_value=True
         )
+
+    @staticmethod
+    def _pool(backend: str) -> Any:
+        if backend != "cuda":
+            return None
+        from vllm.platforms import current_platform
+
+        return current_platform.get_global_graph_pool()
 
     def _graph_backend(self, mode: CUDAGraphMode) -> tuple[str | None, str]:
         if not self.graph_config.cudagraph:
@@ -171,48 +208,126 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
     def capture(self) -> None:
         if self.graphs is None:
             return
+        sizes = self.graphs.capture_sizes.sizes
+        hidden = [self.hidden_states[:, i] for i in range(self.num_hidden_states)]
+        copy_in = {
+            size: ([h[:size] for h in hidden], self.slot_mapping[:size])
+            for size in sizes
+        }
+        self._capture(self.graphs, copy_in, self.is_padding, "copy-in")
+
+        sources = self._zero_copy_sources()
+        if sources is None:
+            return
+        aux, slots, is_padding = sources
+        rows = min(len(slots), *(len(a) for a in aux))
+        zero_copy = {
+            size: ([a[:size] for a in aux], slots[:size])
+            for size in sizes
+            if size <= rows
+        }
+        if not zero_copy:
+            return
+        self.zero_copy_inputs = zero_copy
+        self.zero_copy_graphs = CudaGraphManager(
+            zero_copy, self.device, self.graphs.backend, pool=self.graphs.pool
+        )
+        self._capture(self.zero_copy_graphs, zero_copy, is_padding, "zero-copy")
+
+    def _capture(
+        self,
+        graphs: CudaGraphManager,
+        inputs: dict[int, tuple[list[torch.Tensor], torch.Tensor]],
+        is_padding: torch.Tensor,
+        kind: str,
+    ) -> None:
+        """Capture ``_write`` over ``inputs[size]``, views of persistent memory.
+
+        At a replay the emulated backend re-runs ``step`` with
+        ``self._graph_inputs`` set by ``propose``: they must be the very
+        memory captured here, which is what a real replay reads.
+        """
         from vllm.distributed.parallel_state import graph_capture, is_global_first_rank
 
         contexts = {
-            size: self._graph_forward_context(size)
-            for size in self.graphs.capture_sizes.sizes
+            size: self._forward_context(slots, is_padding[:size])
+            for size, (_, slots) in inputs.items()
         }
 
         def step(size: int) -> None:
+            aux, slots = self._graph_inputs or inputs[size]
             with override_forward_context(contexts[size]):
-                self.model(hidden_states=self.hidden_states[:size])
+                self._write(aux, slots)
 
-        if self.graphs.backend == "cuda":
+        desc = f"Capturing extract_hidden_states graphs ({kind})"
+        if graphs.backend == "cuda":
             with graph_capture(self.device):
-                self.graphs.capture(step, progress=is_global_first_rank())
+                graphs.capture(step, desc, progress=is_global_first_rank())
         else:
-            self.graphs.capture(step, progress=is_global_first_rank())
+            graphs.capture(step, desc, progress=is_global_first_rank())
         logger.info(
-            "extract_hidden_states: captured %d %s graphs (sizes %d..%d) in "
+            "extract_hidden_states: captured %d %s %s graphs (%d..%d tokens) in "
             "%.2f s, %.1f MiB",
-            len(self.graphs.captured_sizes),
-            self.graphs.backend,
-            self.graphs.captured_sizes[0],
-            self.graphs.max_size,
-            self.graphs.capture_time_s,
-            self.graphs.graph_memory_bytes / 2**20,
+            len(graphs.captured_sizes),
+            kind,
+            graphs.backend,
+            graphs.captured_sizes[0],
+            graphs.max_size,
+            graphs.capture_time_s,
+            graphs.graph_memory_bytes / 2**20,
         )
 
-    def _graph_forward_context(self, size: int):
-        """The forward context the cache-only layer reads, over static views."""
-        slots = self.slot_mapping[:size]
+    def _forward_context(self, slots: torch.Tensor, is_padding: torch.Tensor):
+        """What the cache-only layer's hooks read, built once per graph."""
         return create_forward_context(
             {self.layer_name: CacheOnlyAttentionMetadata(slot_mapping=slots)},
             self.vllm_config,
             slot_mapping={self.layer_name: slots},
-            is_padding=self.is_padding[:size],
+            is_padding=is_padding,
         )
 
+    def _zero_copy_sources(
+        self,
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
+        """The target's persistent aux buffers, slot row and padding mask.
+
+        Present only once the runner has called ``set_attn`` (block tables,
+        input buffers) and its graph manager has captured FULL graphs with aux
+        outputs (published by the plugin).
+        """
+        aux = target_buffers.aux_hidden_states(self.device)
+        block_tables = getattr(self, "block_tables", None)
+        input_buffers = getattr(self, "target_input_buffers", None)
+        kv_cache = self.cache_layer.kv_cache
+        why = None
+        if not aux:
+            why = "the target captured no FULL graphs with aux hidden states"
+        elif block_tables is None or input_buffers is None:
+            why = "the runner has not shared its block tables"
+        elif len(aux) != self.num_hidden_states or any(
+            a.dim() != 2
+            or a.shape[1] != kv_cache.shape[-1]
+            or a.dtype != kv_cache.dtype
+            for a in aux
+        ):
+            why = "the target's aux buffers do not match the hidden-state cache"
+        if why is not None:
+            logger.info_once("extract_hidden_states: no zero-copy graphs: %s.", why)
+            return None
+        groups = self.kv_cache_config.kv_cache_groups
+        (group,) = [i for i, g in enumerate(groups) if self.layer_name in g.layer_names]
+        return aux, block_tables.slot_mappings[group], input_buffers.is_padding
+
     def cudagraph_stats(self) -> dict[str, Any]:
+        graph_steps = self.counts["zero_copy_replays"] + self.counts["copy_in_replays"]
         return {
             "captured_sizes": self.graphs.captured_sizes if self.graphs else [],
-            "replays": self.replays,
-            "eager_fallbacks": self.eager_fallbacks,
+            "zero_copy_sizes": (
+                self.zero_copy_graphs.captured_sizes if self.zero_copy_graphs else []
+            ),
+            "replays": graph_steps,
+            "eager_fallbacks": self.counts["eager_steps"] if self.graphs else 0,
+            **self.counts,
         }
 
     # ------------------------------------------------------------------
@@ -252,14 +367,12 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
                 f"got {len(aux_hidden_states)}"
             )
         num_tokens = aux_hidden_states[0].shape[0]
-        torch.stack(aux_hidden_states, dim=1, out=self.hidden_states[:num_tokens])
         slots = slot_mappings[self.layer_name][:num_tokens]
         is_padding = input_batch.is_padding[:num_tokens]
 
         padded = self._graph_size(num_tokens, dp_sync_state)
         if padded is None:
-            if self.graphs is not None:
-                self.eager_fallbacks += 1
+            self.counts["eager_steps"] += 1
             with set_forward_context(
                 {self.layer_name: attn_metadata[self.layer_name]},
                 self.vllm_config,
@@ -270,24 +383,21 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
                 slot_mapping={self.layer_name: slots},
                 is_padding=is_padding,
             ):
-                self.model(hidden_states=self.hidden_states[:num_tokens])
-            return draft_tokens
-
-        assert self.graphs is not None
-        self._copy_inputs(slots, is_padding, padded)
-        self.graphs.replay(padded)
-        self.replays += 1
+                self._write(aux_hidden_states, slots)
+        elif padded == num_tokens and self._reads_in_place(aux_hidden_states, slots):
+            assert self.zero_copy_graphs is not None
+            self._graph_inputs = (aux_hidden_states, slots)
+            try:
+                self.zero_copy_graphs.replay(num_tokens)
+            finally:
+                self._graph_inputs = None
+            self.counts["zero_copy_replays"] += 1
+        else:
+            assert self.graphs is not None
+            self._copy_inputs(aux_hidden_states, slots, is_padding, padded)
+            self.graphs.replay(padded)
+            self.counts["copy_in_replays"] += 1
         return draft_tokens
-
-    def _copy_inputs(
-        self, slots: torch.Tensor, is_padding: torch.Tensor, padded: int
-    ) -> None:
-        """Fill the graph's static inputs; the padded tail goes to the null block."""
-        num_tokens = slots.shape[0]
-        self.slot_mapping[:num_tokens].copy_(slots)
-        self.slot_mapping[num_tokens:padded].fill_(PAD_SLOT_ID)
-        self.is_padding[:num_tokens].copy_(is_padding)
-        self.is_padding[num_tokens:padded].fill_(True)
 
     def _graph_size(
         self, num_tokens: int, dp_sync_state: DPSyncState | None
@@ -299,3 +409,40 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             # Every DP rank must pick the same graph size.
             num_tokens = max(num_tokens, int(dp_sync_state.num_tokens_across_dp.max()))
         return self.graphs.padded_size(num_tokens)
+
+    def _reads_in_place(self, aux: Sequence[torch.Tensor], slots: torch.Tensor) -> bool:
+        """Whether a zero-copy graph captured exactly these views."""
+        graphs = self.zero_copy_graphs
+        if graphs is None or graphs.padded_size(len(slots)) != len(slots):
+            return False
+        captured_aux, captured_slots = self.zero_copy_inputs[len(slots)]
+        return all(
+            _same_view(got, want)
+            for got, want in zip(
+                (*aux, slots), (*captured_aux, captured_slots), strict=True
+            )
+        )
+
+    def _copy_inputs(
+        self,
+        aux: Sequence[torch.Tensor],
+        slots: torch.Tensor,
+        is_padding: torch.Tensor,
+        padded: int,
+    ) -> None:
+        """Fill the copy-in graph's static inputs; the tail goes to the null block."""
+        num_tokens = slots.shape[0]
+        torch.stack(aux, dim=1, out=self.hidden_states[:num_tokens])
+        self.slot_mapping[:num_tokens].copy_(slots)
+        self.slot_mapping[num_tokens:padded].fill_(PAD_SLOT_ID)
+        self.is_padding[:num_tokens].copy_(is_padding)
+        self.is_padding[num_tokens:padded].fill_(True)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )

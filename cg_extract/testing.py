@@ -148,6 +148,63 @@ def load_speculator(
 
 
 @dataclass
+class TargetGraphOutputs:
+    """What MRv2's runner holds once the target captured FULL graphs: the graph
+    manager's persistent aux-hidden-state buffers, the block tables' slot rows
+    and the input buffers' padding mask. ``propose`` then gets views of them."""
+
+    aux_hidden_states: list[torch.Tensor]  # [rows, hidden] each
+    slot_mappings: torch.Tensor  # [num_kv_cache_groups, max_num_tokens]
+    input_buffers: Any  # vllm InputBuffers
+
+
+def attach_target_graph_outputs(
+    loaded: LoadedSpeculator, rows: int
+) -> TargetGraphOutputs:
+    """Hand the speculator the runner's persistent buffers, as ``set_attn`` and
+    the plugin's capture hook do on a GPU worker."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.worker.gpu.input_batch import InputBuffers
+
+    from cg_extract import target_buffers
+
+    spec = loaded.speculator
+    device = loaded.kv_cache.device
+    num_blocks, num_layers, _, hidden = loaded.kv_cache.shape
+    outputs = TargetGraphOutputs(
+        [
+            torch.zeros(rows, hidden, dtype=loaded.kv_cache.dtype, device=device)
+            for _ in range(num_layers)
+        ],
+        torch.full((1, spec.max_num_tokens), -1, dtype=torch.int64, device=device),
+        InputBuffers(spec.max_num_reqs, spec.max_num_tokens, device),
+    )
+    target_buffers.publish(device, outputs.aux_hidden_states)
+    layer = loaded.vllm_config.compilation_config.static_forward_context[
+        loaded.layer_name
+    ]
+    spec.kv_cache_config = KVCacheConfig(
+        num_blocks,
+        [],
+        [
+            KVCacheGroupSpec(
+                [loaded.layer_name], layer.get_kv_cache_spec(loaded.vllm_config)
+            )
+        ],
+    )
+    # A stand-in for vLLM's BlockTables, whose constructor needs pinned (CUDA
+    # host) memory; the speculator reads only its persistent slot_mappings.
+    spec.block_tables = _SlotMappingsOnly(outputs.slot_mappings)
+    spec.target_input_buffers = outputs.input_buffers
+    return outputs
+
+
+@dataclass
+class _SlotMappingsOnly:
+    slot_mappings: torch.Tensor
+
+
+@dataclass
 class StepInputs:
     """One ``propose`` call's arguments, as the MRv2 runner builds them."""
 
@@ -166,12 +223,14 @@ def make_step_inputs(
     generator: torch.Generator,
     num_reqs: int | None = None,
     num_padding: int = 0,
+    target: TargetGraphOutputs | None = None,
 ) -> StepInputs:
     """Random aux hidden states and unique slots outside the null block.
 
     ``num_padding`` extra tokens mimic the target's own graph padding: their
     slot is -1 (vLLM's ``PAD_SLOT_ID``), which the cache-only layer sends to
-    block 0.
+    block 0. With ``target``, the same values arrive as views of the target's
+    persistent buffers, as after a FULL graph replay of the target.
     """
     from vllm.model_executor.models.extract_hidden_states import (
         CacheOnlyAttentionMetadata,
@@ -195,7 +254,17 @@ def make_step_inputs(
         torch.randn(total, hidden, generator=generator).to(dtype).to(device)
         for _ in range(num_layers)
     ]
-    buffers = InputBuffers(spec.max_num_reqs, spec.max_num_tokens, device)
+    if target is not None:
+        # The target replayed a FULL graph: its outputs sit in persistent
+        # buffers and propose gets views of them.
+        aux = [
+            buf[:total].copy_(a)
+            for buf, a in zip(target.aux_hidden_states, aux, strict=True)
+        ]
+        slot_mapping = target.slot_mappings[0, :total].copy_(slot_mapping)
+        buffers = target.input_buffers
+    else:
+        buffers = InputBuffers(spec.max_num_reqs, spec.max_num_tokens, device)
     batch = InputBatch.make_dummy(num_reqs, total, buffers, is_padding=False)
     batch.is_padding[num_tokens:] = True
     last_sampled = torch.randint(

@@ -135,13 +135,11 @@ def test_aux_layer_ids_required(model_dir):
         load_speculator(ExtractHiddenStatesSpeculator, cfg)
 
 
-def test_buffers_match_the_pr(pair):
+def test_eager_path_keeps_no_staging_buffer(pair):
+    """vLLM's class stages every step in a [max_num_batched_tokens, L, H]
+    buffer; the fused write reads the aux hidden states where they are."""
     upstream, ours = pair
-    assert (
-        ours.speculator.hidden_states.shape == upstream.speculator.hidden_states.shape
-    )
-    assert (
-        ours.speculator.hidden_states.dtype == upstream.speculator.hidden_states.dtype
-    )
+    assert upstream.speculator.hidden_states.shape == (2048, 3, 256)
+    assert not hasattr(ours.speculator, "hidden_states")
     assert ours.speculator.num_hidden_states == 3
     assert ours.kv_cache.shape[1] == 3
