@@ -8,11 +8,11 @@ a request finishes.
 One step, from ``propose`` to the KV cache:
 
 1. ``draft_tokens = last_sampled[idx_mapping, :1]``.
-2. Pick a path for the ``n`` tokens:
+2. Pick a path for the ``n`` tokens (:mod:`cg_extract.write_graphs`):
 
    * zero-copy graph: the target replayed a FULL graph, so the aux hidden
-     states and the draft layer's slots are views of persistent buffers that
-     a graph captured for exactly ``n`` tokens already reads. Replay, nothing
+     states, slots and padding mask are views of persistent buffers that a
+     graph captured for exactly ``n`` tokens already reads. Replay, nothing
      else;
    * copy-in graph: ``pad(n)`` has a graph. Stack the aux hidden states into
      the static buffer, copy the slots and padding mask, point the padded
@@ -47,7 +47,6 @@ from vllm.model_executor.models.extract_hidden_states import (
     CacheOnlyAttentionMetadata,
     dummy_attention,
 )
-from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 from vllm.v1.worker.gpu.dp_utils import DPSyncState
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
@@ -56,7 +55,7 @@ from cg_extract import target_buffers
 from cg_extract.cache_write import write_per_layer
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.config import ExtractGraphConfig
-from cg_extract.cudagraph_manager import CudaGraphManager
+from cg_extract.write_graphs import PersistentInputs, WriteGraphs
 
 logger = init_logger(__name__)
 
@@ -96,10 +95,8 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         self.supports_mm_inputs = False
         self.num_hidden_states = len(layer_ids)
         assert isinstance(self.dtype, torch.dtype)
-        self.graphs: CudaGraphManager | None = None  # copy-in graphs
-        self.zero_copy_graphs: CudaGraphManager | None = None
-        self._graph_inputs: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None
-        self.counts = {"zero_copy_replays": 0, "copy_in_replays": 0, "eager_steps": 0}
+        self.graphs: WriteGraphs | None = None
+        self.counts = {"zero_copy": 0, "copy_in": 0, "eager": 0}
 
     def load_draft_model(
         self, target_model: nn.Module, target_attn_layer_names: set[str]
@@ -151,22 +148,33 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         if backend is None:
             logger.info_once("extract_hidden_states runs eagerly: %s.", reason)
             return
-        self.graphs = CudaGraphManager(
+        self.graphs = WriteGraphs(
             self._capture_sizes(),
             self.device,
-            backend=backend,
+            backend,
+            self.num_hidden_states,
+            self.vllm_config.model_config.get_hidden_size(),
+            self.dtype,
+            write=self._graph_write,
             pool=self._pool(backend),
         )
-        hidden_size = self.vllm_config.model_config.get_hidden_size()
-        self.hidden_states = self.graphs.static_buffer(
-            "hidden_states", (self.num_hidden_states, hidden_size), self.dtype
+
+    def _graph_write(
+        self,
+        aux_hidden_states: Sequence[torch.Tensor],
+        slots: torch.Tensor,
+        is_padding: torch.Tensor,
+    ) -> None:
+        """The captured step: :meth:`_write` under the forward context the
+        cache-only layer's hooks read (Python, so built at capture only)."""
+        context = create_forward_context(
+            {self.layer_name: CacheOnlyAttentionMetadata(slot_mapping=slots)},
+            self.vllm_config,
+            slot_mapping={self.layer_name: slots},
+            is_padding=is_padding,
         )
-        self.slot_mapping = self.graphs.static_buffer(
-            "slot_mapping", (), torch.int64, fill_value=PAD_SLOT_ID
-        )
-        self.is_padding = self.graphs.static_buffer(
-            "is_padding", (), torch.bool, fill_value=True
-        )
+        with override_forward_context(context):
+            self._write(aux_hidden_states, slots)
 
     @staticmethod
     def _pool(backend: str) -> Any:
@@ -208,92 +216,31 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
     def capture(self) -> None:
         if self.graphs is None:
             return
-        sizes = self.graphs.capture_sizes.sizes
-        hidden = [self.hidden_states[:, i] for i in range(self.num_hidden_states)]
-        copy_in = {
-            size: ([h[:size] for h in hidden], self.slot_mapping[:size])
-            for size in sizes
-        }
-        self._capture(self.graphs, copy_in, self.is_padding, "copy-in")
-
-        sources = self._zero_copy_sources()
-        if sources is None:
-            return
-        aux, slots, is_padding = sources
-        rows = min(len(slots), *(len(a) for a in aux))
-        zero_copy = {
-            size: ([a[:size] for a in aux], slots[:size])
-            for size in sizes
-            if size <= rows
-        }
-        if not zero_copy:
-            return
-        self.zero_copy_inputs = zero_copy
-        self.zero_copy_graphs = CudaGraphManager(
-            zero_copy, self.device, self.graphs.backend, pool=self.graphs.pool
-        )
-        self._capture(self.zero_copy_graphs, zero_copy, is_padding, "zero-copy")
-
-    def _capture(
-        self,
-        graphs: CudaGraphManager,
-        inputs: dict[int, tuple[list[torch.Tensor], torch.Tensor]],
-        is_padding: torch.Tensor,
-        kind: str,
-    ) -> None:
-        """Capture ``_write`` over ``inputs[size]``, views of persistent memory.
-
-        At a replay the emulated backend re-runs ``step`` with
-        ``self._graph_inputs`` set by ``propose``: they must be the very
-        memory captured here, which is what a real replay reads.
-        """
         from vllm.distributed.parallel_state import graph_capture, is_global_first_rank
 
-        contexts = {
-            size: self._forward_context(slots, is_padding[:size])
-            for size, (_, slots) in inputs.items()
-        }
-
-        def step(size: int) -> None:
-            aux, slots = self._graph_inputs or inputs[size]
-            with override_forward_context(contexts[size]):
-                self._write(aux, slots)
-
-        desc = f"Capturing extract_hidden_states graphs ({kind})"
-        if graphs.backend == "cuda":
+        persistent = self._persistent_inputs()
+        progress = is_global_first_rank()
+        if self.graphs.copy_in.backend == "cuda":
             with graph_capture(self.device):
-                graphs.capture(step, desc, progress=is_global_first_rank())
+                self.graphs.capture(persistent, progress)
         else:
-            graphs.capture(step, desc, progress=is_global_first_rank())
+            self.graphs.capture(persistent, progress)
         logger.info(
-            "extract_hidden_states: captured %d %s %s graphs (%d..%d tokens) in "
-            "%.2f s, %.1f MiB",
-            len(graphs.captured_sizes),
-            kind,
-            graphs.backend,
-            graphs.captured_sizes[0],
-            graphs.max_size,
-            graphs.capture_time_s,
-            graphs.graph_memory_bytes / 2**20,
+            "extract_hidden_states: captured %s graphs for %s tokens (zero-copy "
+            "for %s) in %.2f s, %.1f MiB",
+            self.graphs.copy_in.backend,
+            self.graphs.captured_sizes,
+            self.graphs.zero_copy_sizes or "none",
+            self.graphs.capture_time_s,
+            self.graphs.graph_memory_bytes / 2**20,
         )
 
-    def _forward_context(self, slots: torch.Tensor, is_padding: torch.Tensor):
-        """What the cache-only layer's hooks read, built once per graph."""
-        return create_forward_context(
-            {self.layer_name: CacheOnlyAttentionMetadata(slot_mapping=slots)},
-            self.vllm_config,
-            slot_mapping={self.layer_name: slots},
-            is_padding=is_padding,
-        )
-
-    def _zero_copy_sources(
-        self,
-    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None:
+    def _persistent_inputs(self) -> PersistentInputs | None:
         """The target's persistent aux buffers, slot row and padding mask.
 
         Present only once the runner has called ``set_attn`` (block tables,
         input buffers) and its graph manager has captured FULL graphs with aux
-        outputs (published by the plugin).
+        outputs (published by the plugin's capture hook).
         """
         aux = target_buffers.aux_hidden_states(self.device)
         block_tables = getattr(self, "block_tables", None)
@@ -316,18 +263,20 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             return None
         groups = self.kv_cache_config.kv_cache_groups
         (group,) = [i for i, g in enumerate(groups) if self.layer_name in g.layer_names]
-        return aux, block_tables.slot_mappings[group], input_buffers.is_padding
+        return PersistentInputs(
+            aux, block_tables.slot_mappings[group], input_buffers.is_padding
+        )
 
     def cudagraph_stats(self) -> dict[str, Any]:
-        graph_steps = self.counts["zero_copy_replays"] + self.counts["copy_in_replays"]
+        graphs = self.graphs
         return {
-            "captured_sizes": self.graphs.captured_sizes if self.graphs else [],
-            "zero_copy_sizes": (
-                self.zero_copy_graphs.captured_sizes if self.zero_copy_graphs else []
-            ),
-            "replays": graph_steps,
-            "eager_fallbacks": self.counts["eager_steps"] if self.graphs else 0,
-            **self.counts,
+            "captured_sizes": graphs.captured_sizes if graphs else [],
+            "zero_copy_sizes": graphs.zero_copy_sizes if graphs else [],
+            "replays": self.counts["zero_copy"] + self.counts["copy_in"],
+            "eager_fallbacks": self.counts["eager"] if graphs else 0,
+            "zero_copy_replays": self.counts["zero_copy"],
+            "copy_in_replays": self.counts["copy_in"],
+            "eager_steps": self.counts["eager"],
         }
 
     # ------------------------------------------------------------------
@@ -371,32 +320,21 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         is_padding = input_batch.is_padding[:num_tokens]
 
         padded = self._graph_size(num_tokens, dp_sync_state)
-        if padded is None:
-            self.counts["eager_steps"] += 1
-            with set_forward_context(
-                {self.layer_name: attn_metadata[self.layer_name]},
-                self.vllm_config,
-                num_tokens=num_tokens,
-                num_tokens_across_dp=dp_sync_state
-                and dp_sync_state.num_tokens_across_dp,
-                cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                slot_mapping={self.layer_name: slots},
-                is_padding=is_padding,
-            ):
-                self._write(aux_hidden_states, slots)
-        elif padded == num_tokens and self._reads_in_place(aux_hidden_states, slots):
-            assert self.zero_copy_graphs is not None
-            self._graph_inputs = (aux_hidden_states, slots)
-            try:
-                self.zero_copy_graphs.replay(num_tokens)
-            finally:
-                self._graph_inputs = None
-            self.counts["zero_copy_replays"] += 1
-        else:
-            assert self.graphs is not None
-            self._copy_inputs(aux_hidden_states, slots, is_padding, padded)
-            self.graphs.replay(padded)
-            self.counts["copy_in_replays"] += 1
+        if padded is not None:
+            path = self.graphs.run(aux_hidden_states, slots, is_padding, padded)
+            self.counts[path] += 1
+            return draft_tokens
+        self.counts["eager"] += 1
+        with set_forward_context(
+            {self.layer_name: attn_metadata[self.layer_name]},
+            self.vllm_config,
+            num_tokens=num_tokens,
+            num_tokens_across_dp=dp_sync_state and dp_sync_state.num_tokens_across_dp,
+            cudagraph_runtime_mode=CUDAGraphMode.NONE,
+            slot_mapping={self.layer_name: slots},
+            is_padding=is_padding,
+        ):
+            self._write(aux_hidden_states, slots)
         return draft_tokens
 
     def _graph_size(
@@ -409,40 +347,3 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             # Every DP rank must pick the same graph size.
             num_tokens = max(num_tokens, int(dp_sync_state.num_tokens_across_dp.max()))
         return self.graphs.padded_size(num_tokens)
-
-    def _reads_in_place(self, aux: Sequence[torch.Tensor], slots: torch.Tensor) -> bool:
-        """Whether a zero-copy graph captured exactly these views."""
-        graphs = self.zero_copy_graphs
-        if graphs is None or graphs.padded_size(len(slots)) != len(slots):
-            return False
-        captured_aux, captured_slots = self.zero_copy_inputs[len(slots)]
-        return all(
-            _same_view(got, want)
-            for got, want in zip(
-                (*aux, slots), (*captured_aux, captured_slots), strict=True
-            )
-        )
-
-    def _copy_inputs(
-        self,
-        aux: Sequence[torch.Tensor],
-        slots: torch.Tensor,
-        is_padding: torch.Tensor,
-        padded: int,
-    ) -> None:
-        """Fill the copy-in graph's static inputs; the tail goes to the null block."""
-        num_tokens = slots.shape[0]
-        torch.stack(aux, dim=1, out=self.hidden_states[:num_tokens])
-        self.slot_mapping[:num_tokens].copy_(slots)
-        self.slot_mapping[num_tokens:padded].fill_(PAD_SLOT_ID)
-        self.is_padding[:num_tokens].copy_(is_padding)
-        self.is_padding[num_tokens:padded].fill_(True)
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-    )

@@ -1,0 +1,210 @@
+"""CUDA graphs of the hidden-state write, in torch alone.
+
+Two sets of graphs over the same capture sizes, both replaying the caller's
+``write(aux_hidden_states, slot_mapping, is_padding)``:
+
+* copy-in graphs read static buffers this class owns. ``run`` stacks the aux
+  hidden states into them (one kernel), copies slots and padding mask, points
+  the padded tail at slot -1 (the null block) and replays;
+* zero-copy graphs read the target's persistent buffers directly: after a
+  FULL graph replay of the target, ``propose`` is handed views of exactly
+  those. ``run`` checks address, shape, stride and dtype of every input and,
+  when they are the captured views, only replays. Anything else (other
+  memory, another stride, a size that needs padding) takes the copy-in graph.
+
+No vLLM here: the speculator supplies a ``write`` that adds vLLM's forward
+context and connector hooks, the ``kernel`` sweep and the GPU tests supply
+:func:`cg_extract.cache_write.write_per_layer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cg_extract.capture_sizes import CaptureSizes
+from cg_extract.cudagraph_manager import CudaGraphManager
+
+PAD_SLOT_ID = -1  # vLLM's padding slot; the cache write sends it to block 0
+
+Write = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class PersistentInputs:
+    """The target's buffers that ``propose`` receives views of."""
+
+    aux_hidden_states: list[torch.Tensor]  # [rows, hidden] each
+    slot_mapping: torch.Tensor  # [rows], the draft layer's slot row
+    is_padding: torch.Tensor  # [rows]
+
+    @property
+    def rows(self) -> int:
+        return min(len(self.slot_mapping), *(len(a) for a in self.aux_hidden_states))
+
+
+@dataclass
+class _GraphInputs:
+    aux_hidden_states: list[torch.Tensor]
+    slot_mapping: torch.Tensor
+    is_padding: torch.Tensor
+
+
+class WriteGraphs:
+    def __init__(
+        self,
+        capture_sizes: CaptureSizes,
+        device: torch.device,
+        backend: str,
+        num_layers: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        write: Write,
+        pool: Any = None,
+    ):
+        self.write = write
+        self.copy_in = CudaGraphManager(capture_sizes, device, backend, pool)
+        hidden = self.copy_in.static_buffer(
+            "hidden_states", (num_layers, hidden_size), dtype
+        )
+        self.hidden_states = hidden
+        self.slot_mapping = self.copy_in.static_buffer(
+            "slot_mapping", (), torch.int64, fill_value=PAD_SLOT_ID
+        )
+        self.is_padding = self.copy_in.static_buffer(
+            "is_padding", (), torch.bool, fill_value=True
+        )
+        layers = [hidden[:, i] for i in range(num_layers)]
+        self._copy_in_inputs = {
+            size: _GraphInputs(
+                [h[:size] for h in layers],
+                self.slot_mapping[:size],
+                self.is_padding[:size],
+            )
+            for size in capture_sizes.sizes
+        }
+        self.zero_copy: CudaGraphManager | None = None
+        self._zero_copy_inputs: dict[int, _GraphInputs] = {}
+        # What a replaying step reads: None at capture (the captured views),
+        # the caller's tensors at a zero-copy replay. A real replay ignores
+        # it; the emulator re-runs the step and checks it is the same memory.
+        self._replay_inputs: _GraphInputs | None = None
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return self.copy_in.captured_sizes
+
+    @property
+    def zero_copy_sizes(self) -> list[int]:
+        return self.zero_copy.captured_sizes if self.zero_copy else []
+
+    @property
+    def capture_time_s(self) -> float:
+        return sum(g.capture_time_s for g in self._managers())
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        return sum(g.graph_memory_bytes for g in self._managers())
+
+    def _managers(self) -> list[CudaGraphManager]:
+        return [g for g in (self.copy_in, self.zero_copy) if g is not None]
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        return self.copy_in.padded_size(num_tokens)
+
+    def capture(
+        self,
+        persistent: PersistentInputs | None = None,
+        progress: bool = True,
+        desc: str = "Capturing hidden-state write graphs",
+    ) -> None:
+        self._capture(self.copy_in, self._copy_in_inputs, progress, f"{desc} (copy-in)")
+        if persistent is None:
+            return
+        sizes = [s for s in self.copy_in.capture_sizes.sizes if s <= persistent.rows]
+        if not sizes:
+            return
+        self._zero_copy_inputs = {
+            size: _GraphInputs(
+                [a[:size] for a in persistent.aux_hidden_states],
+                persistent.slot_mapping[:size],
+                persistent.is_padding[:size],
+            )
+            for size in sizes
+        }
+        self.zero_copy = CudaGraphManager(
+            sizes, self.copy_in.device, self.copy_in.backend, self.copy_in.pool
+        )
+        self._capture(
+            self.zero_copy, self._zero_copy_inputs, progress, f"{desc} (zero-copy)"
+        )
+
+    def _capture(
+        self,
+        graphs: CudaGraphManager,
+        inputs: dict[int, _GraphInputs],
+        progress: bool,
+        desc: str,
+    ) -> None:
+        def step(size: int) -> None:
+            x = self._replay_inputs or inputs[size]
+            self.write(x.aux_hidden_states, x.slot_mapping, x.is_padding)
+
+        graphs.capture(step, desc, progress=progress)
+
+    def run(
+        self,
+        aux_hidden_states: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        is_padding: torch.Tensor,
+        padded: int,
+    ) -> str:
+        """Write one step of ``len(slot_mapping)`` tokens through a graph of
+        ``padded`` tokens; returns the path taken, "zero_copy" or "copy_in"."""
+        given = _GraphInputs(list(aux_hidden_states), slot_mapping, is_padding)
+        if self._reads_in_place(given, padded):
+            self._replay_inputs = given
+            try:
+                self.zero_copy.replay(padded)
+            finally:
+                self._replay_inputs = None
+            return "zero_copy"
+        n = len(slot_mapping)
+        torch.stack(aux_hidden_states, dim=1, out=self.hidden_states[:n])
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.slot_mapping[n:padded].fill_(PAD_SLOT_ID)
+        self.is_padding[:n].copy_(is_padding)
+        self.is_padding[n:padded].fill_(True)
+        self.copy_in.replay(padded)
+        return "copy_in"
+
+    def _reads_in_place(self, given: _GraphInputs, padded: int) -> bool:
+        captured = self._zero_copy_inputs.get(padded)
+        if (
+            captured is None
+            or len(given.slot_mapping) != padded
+            or len(given.aux_hidden_states) != len(captured.aux_hidden_states)
+        ):
+            return False
+        pairs = zip(
+            (*given.aux_hidden_states, given.slot_mapping, given.is_padding),
+            (*captured.aux_hidden_states, captured.slot_mapping, captured.is_padding),
+            strict=True,
+        )
+        return all(_same_view(got, want) for got, want in pairs)
+
+    def release(self) -> None:
+        for graphs in self._managers():
+            graphs.release()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )

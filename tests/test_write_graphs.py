@@ -1,0 +1,146 @@
+"""WriteGraphs with the step's arithmetic in torch alone (no vLLM), on the
+emulated backend here and on real CUDA graphs where a GPU is present: the
+same comparison the speculator tests make, for a GPU machine without vLLM."""
+
+import pytest
+import torch
+
+from cg_extract.cache_write import write_per_layer, write_stacked
+from cg_extract.capture_sizes import CaptureSizes
+from cg_extract.cudagraph_manager import StaticMemoryViolation
+from cg_extract.write_graphs import PersistentInputs, WriteGraphs
+
+SIZES = CaptureSizes([1, 2, 4, 8, 16, 24, 32, 48, 64])
+LAYERS, HIDDEN, BLOCK, BLOCKS = 3, 128, 16, 12
+
+BACKENDS = [
+    pytest.param("emulated", "cpu", id="emulated"),
+    pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),
+]
+
+
+class Rig:
+    """A KV cache, the target's persistent buffers and WriteGraphs over them."""
+
+    def __init__(self, backend, device, dtype, zero_copy=True):
+        self.device, self.dtype = torch.device(device), dtype
+        self.cache = torch.zeros(
+            BLOCKS, LAYERS, BLOCK, HIDDEN, dtype=dtype, device=device
+        )
+        self.reference = torch.zeros_like(self.cache)
+        self.persistent = PersistentInputs(
+            [
+                torch.zeros(SIZES.max_size, HIDDEN, dtype=dtype, device=device)
+                for _ in range(LAYERS)
+            ],
+            torch.full((256,), -1, dtype=torch.int64, device=device),
+            torch.ones(256, dtype=torch.bool, device=device),
+        )
+        self.graphs = WriteGraphs(
+            SIZES, self.device, backend, LAYERS, HIDDEN, dtype,
+            write=lambda aux, slots, is_padding: write_per_layer(aux, self.cache, slots),
+        )  # fmt: skip
+        self.graphs.capture(self.persistent if zero_copy else None, progress=False)
+
+    def inputs(self, n, gen, in_place):
+        slots = torch.randperm((BLOCKS - 1) * BLOCK, generator=gen)[:n] + BLOCK
+        aux = [
+            torch.randn(n, HIDDEN, generator=gen).to(self.dtype) for _ in range(LAYERS)
+        ]
+        aux = [a.to(self.device) for a in aux]
+        slots = slots.to(self.device)
+        is_padding = torch.zeros(n, dtype=torch.bool, device=self.device)
+        if in_place:  # as after a FULL graph replay of the target
+            aux = [
+                buf[:n].copy_(a)
+                for buf, a in zip(self.persistent.aux_hidden_states, aux, strict=True)
+            ]
+            slots = self.persistent.slot_mapping[:n].copy_(slots)
+            is_padding = self.persistent.is_padding[:n].copy_(is_padding)
+        return aux, slots, is_padding
+
+    def step(self, n, gen, in_place):
+        aux, slots, is_padding = self.inputs(n, gen, in_place)
+        write_stacked(
+            torch.stack(aux, dim=1), self.reference, slots
+        )  # vLLM's arithmetic
+        path = self.graphs.run(aux, slots, is_padding, SIZES.pad(n))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return path
+
+    def same(self):
+        return torch.equal(
+            self.cache[1:].view(torch.uint8), self.reference[1:].view(torch.uint8)
+        )
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_paths_match_vllms_arithmetic(backend, device, dtype):
+    rig = Rig(backend, device, dtype)
+    gen = torch.Generator().manual_seed(3)
+    paths = {"zero_copy": 0, "copy_in": 0}
+    for step in range(600 if backend == "emulated" else 3000):
+        in_place = bool(torch.randint(0, 2, (), generator=gen))
+        n = int(torch.randint(1, SIZES.max_size + 1, (), generator=gen))
+        if in_place:
+            n = SIZES.pad(n)  # the target replays only its captured sizes
+        path = rig.step(n, gen, in_place)
+        assert path == ("zero_copy" if in_place else "copy_in"), f"step {step}"
+        paths[path] += 1
+        assert rig.same(), f"caches differ at step {step} ({path}, n={n})"
+    assert min(paths.values()) > 200
+    assert rig.graphs.zero_copy_sizes == list(SIZES.sizes)
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_padding_goes_to_the_null_block(backend, device):
+    rig = Rig(backend, device, torch.float32, zero_copy=False)
+    gen = torch.Generator().manual_seed(4)
+    rig.step(40, gen, in_place=False)  # leaves rows 33..39 of the static buffer set
+    rig.cache.zero_()
+    rig.reference.zero_()
+    aux, slots, is_padding = rig.inputs(33, gen, in_place=False)
+    write_stacked(torch.stack(aux, dim=1), rig.reference, slots)
+    assert rig.graphs.run(aux, slots, is_padding, 48) == "copy_in"
+    assert (rig.graphs.slot_mapping[33:48] == -1).all()
+    touched = set((rig.cache.flatten(1).abs().sum(1) != 0).nonzero().flatten().tolist())
+    owned = set((slots // BLOCK).tolist())
+    assert touched - {0} == owned, "the stale padded rows land in block 0 only"
+    assert rig.same()
+
+
+@pytest.mark.parametrize("backend, device", BACKENDS)
+def test_real_or_emulated_graph_memory_and_time_reported(backend, device):
+    rig = Rig(backend, device, torch.bfloat16)
+    assert rig.graphs.capture_time_s > 0
+    assert rig.graphs.graph_memory_bytes >= 0
+    assert rig.graphs.captured_sizes == list(SIZES.sizes)
+    rig.graphs.release()
+    assert rig.graphs.captured_sizes == [] and rig.graphs.zero_copy_sizes == []
+
+
+def test_emulator_rejects_zero_copy_over_other_memory(monkeypatch):
+    rig = Rig("emulated", "cpu", torch.float32)
+    monkeypatch.setattr(
+        WriteGraphs, "_reads_in_place", lambda self, given, padded: True
+    )
+    with pytest.raises(StaticMemoryViolation):
+        rig.step(16, torch.Generator().manual_seed(5), in_place=False)
+
+
+def test_in_place_check_wants_the_captured_views():
+    rig = Rig("emulated", "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    aux, slots, is_padding = rig.inputs(16, gen, in_place=True)
+    assert rig.graphs.run(aux, slots, is_padding, 16) == "zero_copy"
+    # Same buffers, other views: every other row, a later offset, a copy.
+    assert (
+        rig.graphs.run([a[::1][:16] for a in aux], slots, is_padding, 16) == "zero_copy"
+    )
+    every_other = [buf[:32:2] for buf in rig.persistent.aux_hidden_states]
+    assert rig.graphs.run(every_other, slots, is_padding, 16) == "copy_in"
+    shifted = [buf[1:17] for buf in rig.persistent.aux_hidden_states]
+    assert rig.graphs.run(shifted, slots, is_padding, 16) == "copy_in"
+    assert rig.graphs.run(aux, slots.clone(), is_padding, 16) == "copy_in"
