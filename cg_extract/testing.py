@@ -288,3 +288,26 @@ def make_step_inputs(
         seeds=torch.zeros(spec.max_num_reqs, dtype=torch.int64, device=device),
     )
     return StepInputs(kwargs, slots.to(device), num_tokens)
+
+
+def propose_same_step(
+    speculators: list[LoadedSpeculator],
+    num_tokens: int,
+    seed: int,
+    num_padding: int = 0,
+    **propose_kwargs: Any,
+) -> list[tuple[torch.Tensor, StepInputs]]:
+    """One identical step (same seed, so same values and slots) on each
+    speculator; their KV caches must have the same shape."""
+    results = []
+    for loaded in speculators:
+        inputs = make_step_inputs(
+            loaded,
+            num_tokens,
+            torch.Generator().manual_seed(seed),
+            num_padding=num_padding,
+        )
+        results.append(
+            (loaded.speculator.propose(**inputs.kwargs, **propose_kwargs), inputs)
+        )
+    return results

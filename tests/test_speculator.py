@@ -13,7 +13,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from cg_extract.testing import build_vllm_config, load_speculator, make_step_inputs
+from cg_extract.testing import (
+    build_vllm_config,
+    load_speculator,
+    make_step_inputs,
+    propose_same_step,
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,27 +29,15 @@ def pair(model_dir):
     )
 
 
-def run_both(pair, num_tokens, seed, num_padding=0):
-    upstream, ours = pair
-    got = []
-    for loaded in (upstream, ours):
-        inputs = make_step_inputs(
-            loaded,
-            num_tokens,
-            torch.Generator().manual_seed(seed),
-            num_padding=num_padding,
-        )
-        got.append((loaded.speculator.propose(**inputs.kwargs), inputs))
-    return got
-
-
 def test_eager_matches_upstream_over_random_batches(pair):
     upstream, ours = pair
     gen = torch.Generator().manual_seed(1234)
     for seed in range(300):
         n = int(torch.randint(1, 1000, (), generator=gen))
         pad = int(torch.randint(0, 8, (), generator=gen))
-        (up_tokens, _), (our_tokens, inputs) = run_both(pair, n, seed, num_padding=pad)
+        (up_tokens, _), (our_tokens, inputs) = propose_same_step(
+            list(pair), n, seed, num_padding=pad
+        )
         assert torch.equal(up_tokens, our_tokens)
         assert torch.equal(upstream.kv_cache, ours.kv_cache), (
             f"caches differ at seed {seed}, n={n}"

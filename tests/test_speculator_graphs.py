@@ -12,7 +12,12 @@ from vllm.v1.worker.gpu.dp_utils import DPSyncState
 
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from cg_extract.testing import build_vllm_config, load_speculator, make_step_inputs
+from cg_extract.testing import (
+    build_vllm_config,
+    load_speculator,
+    make_step_inputs,
+    propose_same_step,
+)
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 GRAPH_KEYS = dict(
@@ -28,18 +33,19 @@ def graph_speculator(cfg, mode=CUDAGraphMode.FULL_AND_PIECEWISE, capture=True):
     return loaded
 
 
-def step_both(reference, graphed, num_tokens, seed, num_padding=0, **propose_kwargs):
+def step_both(reference, graphed, num_tokens, seed, num_padding=0):
     """Run one identical step on both; return both draft-token tensors."""
-    out = []
-    for loaded in (reference, graphed):
-        inputs = make_step_inputs(
-            loaded,
-            num_tokens,
-            torch.Generator().manual_seed(seed),
-            num_padding=num_padding,
-        )
-        out.append(loaded.speculator.propose(**inputs.kwargs, **propose_kwargs))
-    return out
+    results = propose_same_step([reference, graphed], num_tokens, seed, num_padding)
+    return [tokens for tokens, _ in results]
+
+
+def record_replays(graphed, monkeypatch):
+    """The padded sizes the copy-in graphs replay, in order."""
+    replayed = []
+    graphs = graphed.speculator.graphs.copy_in
+    original = graphs.replay
+    monkeypatch.setattr(graphs, "replay", lambda n: replayed.append(n) or original(n))
+    return replayed
 
 
 def counts(loaded):
@@ -136,13 +142,7 @@ def test_skip_attn_dummy_run_neither_replays_nor_writes(model_dir):
 
 def test_padding_pads_to_the_smallest_captured_size(model_dir, monkeypatch):
     graphed = graph_speculator(build_vllm_config(model_dir, **GRAPH_KEYS))
-    replayed = []
-    original = graphed.speculator.graphs.copy_in.replay
-    monkeypatch.setattr(
-        graphed.speculator.graphs.copy_in,
-        "replay",
-        lambda n: replayed.append(n) or original(n),
-    )
+    replayed = record_replays(graphed, monkeypatch)
     for n in (1, 3, 17, 33, 64):
         graphed.speculator.propose(
             **make_step_inputs(graphed, n, torch.Generator().manual_seed(n)).kwargs
@@ -158,13 +158,7 @@ def test_padding_pads_to_the_smallest_captured_size(model_dir, monkeypatch):
 
 def test_data_parallel_ranks_pad_to_the_same_size(model_dir, monkeypatch):
     graphed = graph_speculator(build_vllm_config(model_dir, **GRAPH_KEYS))
-    replayed = []
-    original = graphed.speculator.graphs.copy_in.replay
-    monkeypatch.setattr(
-        graphed.speculator.graphs.copy_in,
-        "replay",
-        lambda n: replayed.append(n) or original(n),
-    )
+    replayed = record_replays(graphed, monkeypatch)
 
     def dp(*counts):
         return DPSyncState(
