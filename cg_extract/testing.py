@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,17 +255,7 @@ def make_step_inputs(
         torch.randn(total, hidden, generator=generator).to(dtype).to(device)
         for _ in range(num_layers)
     ]
-    if target is not None:
-        # The target replayed a FULL graph: its outputs sit in persistent
-        # buffers and propose gets views of them.
-        aux = [
-            buf[:total].copy_(a)
-            for buf, a in zip(target.aux_hidden_states, aux, strict=True)
-        ]
-        slot_mapping = target.slot_mappings[0, :total].copy_(slot_mapping)
-        buffers = target.input_buffers
-    else:
-        buffers = InputBuffers(spec.max_num_reqs, spec.max_num_tokens, device)
+    buffers = InputBuffers(spec.max_num_reqs, spec.max_num_tokens, device)
     batch = InputBatch.make_dummy(num_reqs, total, buffers, is_padding=False)
     batch.is_padding[num_tokens:] = True
     last_sampled = torch.randint(
@@ -287,7 +278,46 @@ def make_step_inputs(
         temperature=torch.zeros(spec.max_num_reqs, device=device),
         seeds=torch.zeros(spec.max_num_reqs, dtype=torch.int64, device=device),
     )
-    return StepInputs(kwargs, slots.to(device), num_tokens)
+    inputs = StepInputs(kwargs, slots.to(device), num_tokens)
+    return inputs if target is None else as_target_outputs(inputs, loaded, target)
+
+
+def as_target_outputs(
+    inputs: StepInputs, loaded: LoadedSpeculator, target: TargetGraphOutputs
+) -> StepInputs:
+    """The same step as ``propose`` sees it after a FULL graph replay of the
+    target: aux hidden states, slot mapping and padding mask are views of the
+    target's persistent buffers, holding the same values."""
+    from vllm.model_executor.models.extract_hidden_states import (
+        CacheOnlyAttentionMetadata,
+    )
+
+    kwargs = inputs.kwargs
+    batch = kwargs["input_batch"]
+    total = len(batch.is_padding)
+    aux = [
+        buf[:total].copy_(a)
+        for buf, a in zip(
+            target.aux_hidden_states, kwargs["aux_hidden_states"], strict=True
+        )
+    ]
+    slot_mapping = target.slot_mappings[0, :total].copy_(
+        kwargs["slot_mappings"][loaded.layer_name]
+    )
+    is_padding = target.input_buffers.is_padding[:total].copy_(batch.is_padding)
+    return StepInputs(
+        {
+            **kwargs,
+            "input_batch": dataclasses.replace(batch, is_padding=is_padding),
+            "attn_metadata": {
+                loaded.layer_name: CacheOnlyAttentionMetadata(slot_mapping)
+            },
+            "slot_mappings": {loaded.layer_name: slot_mapping},
+            "aux_hidden_states": aux,
+        },
+        inputs.slots,
+        inputs.num_tokens,
+    )
 
 
 def propose_same_step(

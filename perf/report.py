@@ -1,0 +1,174 @@
+"""The sweep's outputs: the CSV (fixed schema), its sidecar, the plot, the table.
+
+Every column is documented in perf/README.md ("CSV schema"); the gate refuses
+to compare files whose columns differ, so change ``COLUMNS`` and the README
+together, and regenerate the baselines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+KEY = ["engine", "mode", "num_tokens"]
+
+MEASURED = [
+    "engine",
+    "mode",
+    "device",
+    "num_tokens",
+    "padded_tokens",
+    "p50_us",
+    "p90_us",
+    "p99_us",
+    "host_us",
+    "tokens_per_s",
+    "speedup_vs_upstream",
+    "speedup_vs_eager",
+    "ops_per_step",
+    "replayed_ops_per_step",
+    "launches_per_step",
+    "bytes_per_step",
+    "payload_bytes",
+    "bw_floor_frac",
+    "gpu_util_pct",
+    "gpu_mem_used_mib",
+    "power_w",
+    "sm_clock_mhz",
+    "energy_mj_per_step",
+    "bit_exact",
+]
+
+# What the engines were built for: the gate refuses to compare runs that differ.
+PARAMETERS = ["hidden_size", "aux_layers", "dtype", "block_size", "capture_sizes"]
+
+# Where and how the run was made: the same on every row.
+RUN = [
+    "iters",
+    "warmup",
+    "cpu_threads",
+    "device_name",
+    "driver",
+    "torch_version",
+    "vllm_version",
+    "cg_extract_version",
+    "git_commit",
+    "run_utc",
+    "copy_bw_gbps",
+]
+
+COLUMNS = MEASURED + PARAMETERS + RUN
+
+# Modes whose p50 the other rows of the same size are compared with.
+SPEEDUP_REFERENCES = {"upstream": "speedup_vs_upstream", "eager": "speedup_vs_eager"}
+
+TABLE = [
+    "engine",
+    "mode",
+    "num_tokens",
+    "padded_tokens",
+    "p50_us",
+    "p99_us",
+    "tokens_per_s",
+    "speedup_vs_upstream",
+    "speedup_vs_eager",
+    "ops_per_step",
+    "bytes_per_step",
+    "bw_floor_frac",
+    "bit_exact",
+]
+
+
+def add_speedups(rows: list[dict[str, Any]]) -> None:
+    """Fill the speedup columns of one size's rows from their p50s."""
+    p50 = {row["mode"]: row["p50_us"] for row in rows}
+    for row in rows:
+        for reference, column in SPEEDUP_REFERENCES.items():
+            base = p50.get(reference, math.nan)
+            row[column] = base / row["p50_us"] if row["p50_us"] > 0 else math.nan
+
+
+def to_frame(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
+    rows = list(rows)
+    for row in rows:
+        unknown = set(row) - set(COLUMNS)
+        if unknown:
+            raise ValueError(f"row has columns outside the schema: {sorted(unknown)}")
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def sidecar_paths(csv_path: Path) -> tuple[Path, Path]:
+    """The PNG and the ``.meta.json`` written next to the CSV."""
+    return csv_path.with_suffix(".png"), csv_path.with_suffix(".meta.json")
+
+
+def write(frame: pd.DataFrame, csv_path: Path, notes: Mapping[str, Any]) -> None:
+    """CSV, sidecar notes (skipped modes and why, NVML status, op lists), PNG."""
+    png, meta = sidecar_paths(csv_path)
+    frame.to_csv(csv_path, index=False)
+    meta.write_text(json.dumps(notes, indent=2, default=str) + "\n")
+    plot(frame, png)
+
+
+def plot(frame: pd.DataFrame, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (latency, speedup) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (engine, mode), rows in frame.groupby(["engine", "mode"], sort=False):
+        rows = rows.sort_values("num_tokens")
+        label = f"{engine}/{mode}"
+        latency.plot(rows["num_tokens"], rows["p50_us"], marker="o", label=label)
+        if mode != "upstream":
+            speedup.plot(
+                rows["num_tokens"], rows["speedup_vs_upstream"], marker="o", label=label
+            )
+    latency.set(
+        xscale="log",
+        yscale="log",
+        xlabel="tokens per step",
+        ylabel="p50 step latency (us)",
+        title="Step latency",
+    )
+    speedup.axhline(1.0, color="grey", linewidth=0.8)
+    speedup.set(
+        xscale="log",
+        xlabel="tokens per step",
+        ylabel="p50 upstream / p50 mode",
+        title="Speedup vs vLLM's own speculator",
+    )
+    for ax in (latency, speedup):
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize="small")
+    if len(frame):
+        first = frame.iloc[0]
+        fig.suptitle(
+            f"{first['device_name']} | {first['dtype']}, hidden {first['hidden_size']}, "
+            f"aux layers {first['aux_layers']} | {first['git_commit']}",
+            fontsize="small",
+        )
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def table(frame: pd.DataFrame) -> str:
+    """The short table printed at the end of a sweep."""
+    if frame.empty:
+        return "(no rows)"
+    shown = frame[TABLE].copy()
+    for column in ("p50_us", "p99_us"):
+        shown[column] = shown[column].map(lambda v: f"{v:.1f}")
+    shown["tokens_per_s"] = shown["tokens_per_s"].map(lambda v: f"{v:.3g}")
+    for column in ("speedup_vs_upstream", "speedup_vs_eager", "bw_floor_frac"):
+        shown[column] = shown[column].map(lambda v: "" if pd.isna(v) else f"{v:.2f}")
+    shown["bit_exact"] = shown["bit_exact"].map(lambda v: "" if pd.isna(v) else v)
+    return shown.to_string(index=False)

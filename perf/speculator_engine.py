@@ -1,0 +1,220 @@
+"""The ``speculator`` engine: the real ``propose`` of the real speculators.
+
+Each mode is a speculator built the way the MRv2 runner builds one: from a
+``VllmConfig`` (a Llama ``config.json`` with ``load_format="dummy"``), with
+vLLM's cache-only draft model loaded and a real KV cache bound to its layer
+(:mod:`cg_extract.testing`). ``upstream`` is vLLM's own class, ``eager`` and
+``graph`` are ours with ``cudagraph`` false and true.
+
+vLLM is imported inside functions only, so that ``--help`` and input checks
+stay fast and the module can be imported where vLLM is absent.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perf.engines import (
+    VLLM_DTYPES,
+    Engine,
+    Mode,
+    ModeUnavailable,
+    Params,
+    Runner,
+    require_cuda_graphs,
+)
+
+MAX_NUM_SEQS = 128
+HEAD_DIM = 64  # cg_extract.testing.write_model_dir's; hidden size must be a multiple
+
+
+class SpeculatorRunner(Runner):
+    def __init__(self, engine: SpeculatorEngine, mode: str, cls: type, **our_keys: Any):
+        from cg_extract.testing import load_speculator
+
+        self.mode = mode
+        cfg = engine.vllm_config(**our_keys)
+        self.loaded = load_speculator(
+            cls, cfg, engine.device, num_blocks=engine.num_blocks(cfg)
+        )
+        self.kv_cache = self.loaded.kv_cache
+
+    @property
+    def speculator(self):
+        return self.loaded.speculator
+
+    def step(self, inputs: Any) -> torch.Tensor:
+        return self.speculator.propose(**inputs.kwargs)
+
+
+def upstream_runner(engine: SpeculatorEngine) -> SpeculatorRunner:
+    from cg_extract.plugin import upstream_speculator_class
+
+    return SpeculatorRunner(engine, "upstream", upstream_speculator_class())
+
+
+def eager_runner(engine: SpeculatorEngine) -> SpeculatorRunner:
+    from cg_extract.speculator import ExtractHiddenStatesSpeculator
+
+    runner = SpeculatorRunner(
+        engine, "eager", ExtractHiddenStatesSpeculator, cudagraph=False
+    )
+    _init_graphs_as_the_runner_does(runner)
+    return runner
+
+
+class GraphRunner(SpeculatorRunner):
+    """Ours with ``cudagraph`` true.
+
+    ``in_place``: the runner's persistent buffers are attached as ``set_attn``
+    and the plugin's capture hook attach them on a GPU worker, and every step
+    arrives as views of them (:func:`cg_extract.testing.as_target_outputs`),
+    as after a FULL graph replay of the target: captured sizes replay with no
+    copy. Otherwise every step copies its inputs in.
+    """
+
+    def __init__(self, engine: SpeculatorEngine, mode: str, in_place: bool):
+        from cg_extract.speculator import ExtractHiddenStatesSpeculator
+        from cg_extract.testing import attach_target_graph_outputs
+
+        require_cuda_graphs(engine, engine.graph_backend)
+        super().__init__(
+            engine,
+            mode,
+            ExtractHiddenStatesSpeculator,
+            cudagraph=True,
+            cudagraph_backend=engine.graph_backend,
+            cudagraph_capture_sizes=list(engine.params.capture_sizes),
+        )
+        self.target = None
+        if in_place:
+            rows = max(engine.params.capture_sizes)
+            self.target = attach_target_graph_outputs(self.loaded, rows)
+        _init_graphs_as_the_runner_does(
+            self, real_graphs=engine.graph_backend == "cuda"
+        )
+        if not self.speculator.cudagraph_stats()["captured_sizes"]:
+            raise ModeUnavailable("the speculator captured no graphs (see its log)")
+
+    def receive(self, inputs: Any) -> Any:
+        from cg_extract.testing import as_target_outputs
+
+        # Above the target's largest graph the target ran eagerly: fresh tensors.
+        if self.target is None or inputs.num_tokens > len(
+            self.target.aux_hidden_states[0]
+        ):
+            return inputs
+        return as_target_outputs(inputs, self.loaded, self.target)
+
+
+def _init_graphs_as_the_runner_does(
+    runner: SpeculatorRunner, real_graphs: bool = False
+) -> None:
+    """``init_cudagraph_manager`` with the runner's usual mode, then ``capture``
+    (a no-op when graphs are off, called anyway as the runner calls it)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.config.compilation import CUDAGraphMode
+
+    spec = runner.speculator
+    spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    with set_current_vllm_config(runner.loaded.vllm_config):
+        if real_graphs:
+            _single_process_parallel_state()
+        spec.capture()
+
+
+def _single_process_parallel_state() -> None:
+    """``capture`` enters vLLM's ``graph_capture``, which needs the tensor,
+    pipeline and data parallel groups; a worker has them, this process must
+    make a world of one."""
+    from vllm.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+
+    if model_parallel_is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend="gloo",
+    )
+    initialize_model_parallel(1, 1)
+
+
+class SpeculatorEngine(Engine):
+    name = "speculator"
+    MODES = {
+        "upstream": Mode("upstream", "vLLM's own eager speculator", upstream_runner),
+        "eager": Mode("eager", "ours, cudagraph false", eager_runner),
+        "graph": Mode(
+            "graph",
+            "ours, cudagraph true, inputs in the target's persistent buffers "
+            "(zero-copy replay)",
+            lambda engine: GraphRunner(engine, "graph", in_place=True),
+        ),
+        "graph_copy_in": Mode(
+            "graph_copy_in",
+            "ours, cudagraph true, fresh inputs (copy-in replay)",
+            lambda engine: GraphRunner(engine, "graph_copy_in", in_place=False),
+        ),
+    }
+
+    def __init__(self, params: Params, graph_backend: str = "cuda"):
+        from cg_extract.plugin import register
+        from cg_extract.testing import write_model_dir
+
+        super().__init__(params)
+        # "emulated" only for tests that check the graph path's bytes on CPU.
+        self.graph_backend = graph_backend
+        register()  # idempotent; our config keys need the plugin's config hook
+        self._tmp = tempfile.TemporaryDirectory(prefix="cg_extract_sweep_")
+        self.model_dir = write_model_dir(
+            Path(self._tmp.name) / "model",
+            hidden_size=params.hidden_size,
+            num_layers=max(params.aux_layers) + 1,
+            dtype=VLLM_DTYPES[params.dtype],
+        )
+        self._block_size = self.vllm_config().cache_config.block_size
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    def vllm_config(self, **our_keys: Any):
+        from cg_extract.testing import build_vllm_config
+
+        p = self.params
+        max_tokens = max(p.max_tokens, max(p.capture_sizes))
+        return build_vllm_config(
+            self.model_dir,
+            aux_layer_ids=list(p.aux_layers),
+            dtype=VLLM_DTYPES[p.dtype],
+            max_num_batched_tokens=max_tokens,
+            max_num_seqs=min(MAX_NUM_SEQS, max_tokens),  # vLLM: seqs <= tokens
+            **our_keys,
+        )
+
+    def num_blocks(self, vllm_config) -> int:
+        block_size = vllm_config.cache_config.block_size
+        return -(-self.params.max_tokens // block_size) + 1
+
+    def make_inputs(self, num_tokens: int, generator: torch.Generator):
+        from cg_extract.testing import make_step_inputs
+
+        return make_step_inputs(self.reference.loaded, num_tokens, generator)
+
+
+ENGINE = SpeculatorEngine
+MODES = SpeculatorEngine.MODES

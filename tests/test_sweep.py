@@ -1,0 +1,454 @@
+"""perf/sweep.py: schema, interleaving, measurement, bad inputs, Ctrl-C.
+
+Imports no vLLM at module import: `perf/gpu_check.sh` runs the cuda-marked
+tests here on a GPU machine without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from cg_extract.cache_write import write_stacked
+from perf import report, sweep
+from perf.engines import Engine, Mode, Params, Runner, caches_equal
+from perf.kernel_engine import KernelEngine
+from perf.measure import count_step, graph_steps_kept, interleaved_schedule
+from perf.nvml import NvmlSampler
+
+REPO = Path(__file__).resolve().parent.parent
+ISSUE_COLUMNS = [
+    *("engine", "mode", "device", "num_tokens", "padded_tokens"),
+    *("p50_us", "p90_us", "p99_us", "host_us", "tokens_per_s", "speedup_vs_upstream"),
+    *("ops_per_step", "bytes_per_step", "bw_floor_frac", "gpu_util_pct"),
+    *("gpu_mem_used_mib", "power_w", "sm_clock_mhz", "energy_mj_per_step", "bit_exact"),
+]
+TINY = ["--hidden-size", "128", "--layers", "1", "2", "--iters", "4", "--warmup", "1"]
+
+
+def params(device="cpu", max_tokens=40, dtype="fp32") -> Params:
+    return Params(
+        device=torch.device(device),
+        hidden_size=128,
+        aux_layers=(1, 2, 3),
+        dtype=dtype,
+        capture_sizes=(1, 2, 4, 8, 16),
+        max_tokens=max_tokens,
+    )
+
+
+def settings(sizes=(3,), iters=6, batch=2) -> sweep.Settings:
+    return sweep.Settings(
+        sizes=sizes, iters=iters, warmup=1, batch=batch, seed=0, copy_bw=1e10
+    )
+
+
+def read_csv(path: Path) -> pd.DataFrame:
+    frame = pd.read_csv(path)
+    assert list(frame.columns) == report.COLUMNS
+    return frame
+
+
+# --------------------------------------------------------------------------
+# Schema
+
+
+def test_schema_has_the_required_columns_once():
+    assert len(set(report.COLUMNS)) == len(report.COLUMNS)
+    assert set(ISSUE_COLUMNS) <= set(report.COLUMNS)
+    assert set(report.TABLE) <= set(report.COLUMNS)
+
+
+def test_readme_documents_every_column():
+    readme = (REPO / "perf" / "README.md").read_text()
+    schema = readme.split("## CSV schema")[1].split("\n## ")[0]
+    documented = re.findall(r"^\| `(\w+)` \|", schema, flags=re.M)
+    assert documented == report.COLUMNS  # every column, in the CSV's order
+
+
+def test_rows_outside_the_schema_are_refused():
+    with pytest.raises(ValueError, match="outside the schema"):
+        report.to_frame([{"engine": "x", "latency": 1}])
+
+
+# --------------------------------------------------------------------------
+# Interleaving
+
+
+def test_schedule_rotates_the_first_mode_each_round():
+    assert interleaved_schedule(["a", "b", "c"], iters=25, batch=10) == [
+        ("a", 10), ("b", 10), ("c", 10),
+        ("b", 10), ("c", 10), ("a", 10),
+        ("c", 5), ("a", 5), ("b", 5),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("iters", "batch"), [(1, 10), (7, 3), (30, 30), (31, 4)])
+def test_schedule_gives_every_mode_its_iterations(iters, batch):
+    schedule = interleaved_schedule(["a", "b"], iters, batch)
+    for mode in "ab":
+        assert sum(n for m, n in schedule if m == mode) == iters
+    # never two batches of one mode in a row within a round pair
+    modes = [m for m, _ in schedule]
+    assert all(len(set(modes[i : i + 2])) == 2 for i in range(0, len(modes), 2))
+
+
+class RecordingRunner(Runner):
+    """Writes like the kernel engine's eager mode and logs each step."""
+
+    def __init__(self, engine: RecordingEngine, mode: str):
+        self.mode = mode
+        self.log = engine.log
+        self.kv_cache = torch.zeros(5, 1, 4, 2)
+
+    def step(self, inputs):
+        self.log.append(self.mode)
+        hidden, slots = inputs
+        write_stacked(hidden, self.kv_cache, slots)
+        return slots[:1]
+
+
+class RecordingEngine(Engine):
+    name = "recording"
+    MODES = {
+        m: Mode(m, m, lambda engine, m=m: RecordingRunner(engine, m))
+        for m in ("upstream", "eager", "graph")
+    }
+
+    def __init__(self):
+        super().__init__(params(max_tokens=8))
+        self.log: list[str] = []
+
+    @property
+    def block_size(self) -> int:
+        return 4
+
+    def make_inputs(self, num_tokens, generator):
+        hidden = torch.randn(num_tokens, 1, 2, generator=generator)
+        return hidden, torch.arange(num_tokens) + 4
+
+
+def test_timed_steps_run_in_schedule_order():
+    engine = RecordingEngine()
+    engine.build(["upstream", "eager", "graph"])
+    rows = sweep.measure_size(engine, 3, settings(iters=5, batch=2), NvmlSampler(), {})
+    schedule = interleaved_schedule(["upstream", "eager", "graph"], 5, 2)
+    timed = [mode for mode, n in schedule for _ in range(n)]
+    assert engine.log[-len(timed) :] == timed
+    assert [r["mode"] for r in rows] == ["upstream", "eager", "graph"]
+    assert [r["bit_exact"] for r in rows] == [None, True, True]
+    assert rows[1]["speedup_vs_upstream"] == rows[0]["p50_us"] / rows[1]["p50_us"]
+    assert all(math.isnan(r["gpu_util_pct"]) for r in rows)  # no NVML: NaN
+
+
+# --------------------------------------------------------------------------
+# What a step is measured to do
+
+
+def test_bytes_model_on_the_ops_of_a_cache_write():
+    cache = torch.zeros(4, 3, 8, 16)
+    hidden = torch.randn(5, 3, 16)
+    slots = torch.tensor([8, 9, 17, 30, -1])
+    count = count_step(lambda: write_stacked(hidden, cache, slots))
+    by_op = {op.name: op.bytes for op in count.dispatched}
+    slot_bytes = 5 * 8
+    payload = 5 * 3 * 16 * 4
+    assert by_op["aten.clamp_min.default"] == 2 * slot_bytes
+    # the scatter reads the values and both index tensors, writes what it selects
+    assert by_op["aten.index_put_.default"] == payload + 2 * slot_bytes + payload
+    assert count.padded_tokens(5) == 5 and not count.replayed
+
+
+def test_bytes_model_views_allocations_copies():
+    x = torch.zeros(10, 4)
+    y = torch.ones(10, 4)
+
+    def op_bytes(fn):
+        return count_step(fn).bytes
+
+    assert op_bytes(lambda: x[2:5]) == 0
+    assert op_bytes(lambda: torch.empty(100)) == 0
+    assert op_bytes(lambda: x.copy_(y)) == 2 * 160
+    assert op_bytes(lambda: x[:3].fill_(1)) == 48  # a view, then a write
+    assert op_bytes(lambda: y[torch.tensor([1, 2])]) == 2 * 32 + 16
+    assert op_bytes(lambda: torch.stack([y, y], out=torch.empty(2, 10, 4))) == 4 * 160
+
+
+def build_kernel(backend: str, device="cpu") -> KernelEngine:
+    engine = KernelEngine(params(device), graph_backend=backend)
+    with graph_steps_kept():
+        engine.build(["upstream", "eager", "graph", "graph_copy_in"])
+    return engine
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 17, 40])
+def test_kernel_graph_path_is_bit_exact_emulated(num_tokens):
+    """The graph runner's copy-in and padding, checked with the emulated
+    backend (never timed, never in a CSV)."""
+    engine = build_kernel("emulated")
+    inputs = engine.make_inputs(num_tokens, torch.Generator().manual_seed(1))
+    for runner in engine.runners.values():
+        assert sweep.bit_exact(engine, runner, inputs, runner.receive(inputs))
+    expected_pad = {1: 1, 3: 4, 16: 16, 17: 17, 40: 40}[num_tokens]
+    for mode in ("graph", "graph_copy_in"):
+        runner = engine.runners[mode]
+        received = runner.receive(inputs)
+        graph = count_step(lambda runner=runner, r=received: runner.step(r))
+        assert graph.padded_tokens(num_tokens) == expected_pad
+        assert bool(graph.replayed) == (num_tokens <= 16)
+        assert caches_equal(runner.kv_cache, engine.reference.kv_cache)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 16])
+def test_zero_copy_replay_is_the_only_write_work(num_tokens):
+    """With inputs in the target's persistent buffers and a captured size,
+    the step dispatches only the draft-token gather; the replay moves each
+    hidden-state byte once in and once out (plus slot indices)."""
+    engine = build_kernel("emulated")
+    inputs = engine.make_inputs(num_tokens, torch.Generator().manual_seed(4))
+    graph = engine.runners["graph"]
+    received = graph.receive(inputs)
+    count = count_step(lambda: graph.step(received))
+    moving = [op.name for op in count.dispatched if op.bytes]  # views move nothing
+    assert moving == ["aten.index.Tensor"]
+    payload = engine.payload_bytes(num_tokens)
+    replayed_writes = [op for op in count.replayed if "index_put" in op.name]
+    assert len(replayed_writes) == len(inputs.aux_hidden_states)
+    assert (
+        sum(op.bytes for op in replayed_writes)
+        == 2 * payload + len(inputs.aux_hidden_states) * 2 * num_tokens * 8
+    )  # block and offset indices, int64
+    copy_in = engine.runners["graph_copy_in"]
+    assert len(count_step(lambda: copy_in.step(inputs)).dispatched) > 1
+
+
+def test_a_different_cache_is_not_bit_exact():
+    engine = build_kernel("emulated")
+    inputs = engine.make_inputs(3, torch.Generator().manual_seed(1))
+    eager = engine.runners["eager"]
+    original = eager.step
+
+    def off_by_one(inputs):
+        draft = original(inputs)
+        eager.kv_cache[1, 0, 0, 0] += 1
+        return draft
+
+    eager.step = off_by_one
+    assert not sweep.bit_exact(engine, eager, inputs, eager.receive(inputs))
+
+
+def test_graph_mode_needs_cuda_and_says_so():
+    engine = build_kernel("cuda")
+    assert "graph" not in engine.runners
+    assert "CUDA device" in engine.skipped["graph"]
+
+
+# --------------------------------------------------------------------------
+# Bad input: each refused before anything is timed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine", "nope"], "invalid choice: 'nope'"),
+        (["--engine", "kernel", "--modes", "fast"], "invalid choice: 'fast'"),
+        (["--sizes", "4", "0"], "0 is not a positive integer"),
+        (["--sizes", "-3"], "-3 is not a positive integer"),
+        (["--iters", "0"], "0 is not a positive integer"),
+        (["--layers", "1", "1"], "--layers has duplicates"),
+        (["--engine", "speculator", "--hidden-size", "100"], "multiple of 64"),
+        (
+            ["--engine", "kernel", "--hidden-size", "1048576", "--sizes", "65536"],
+            "GiB is available",
+        ),
+        (["--engine", "kernel", "--out", "x.txt"], "must end in .csv"),
+        (["--engine", "kernel", "--capture-sizes", "4", "4"], "duplicates"),
+    ],
+)
+def test_bad_input_is_refused_with_a_message(argv, message, capsys, tmp_path):
+    if "--out" not in argv:
+        argv = [*argv, "--out", str(tmp_path / "s.csv")]
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unwritable_output_is_refused(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--engine", "kernel", "--out", str(blocker / "s.csv")])
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_mode_an_engine_lacks_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sweep.engine_module("vllm"), "check_can_run", lambda: None)
+    with pytest.raises(SystemExit):
+        sweep.parse_args(
+            [
+                "--engine",
+                "vllm",
+                "--model",
+                "m",
+                "--modes",
+                "upstream",
+                "--device",
+                "cpu",
+            ]
+        )
+    assert "engine 'vllm' has no mode upstream" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine", "vllm", "--model", "m"], "needs a CUDA GPU and Triton"),
+        (["--engine", "kernel", "--device", "cuda"], "no CUDA device"),
+    ],
+)
+def test_no_cuda_refusals(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.parse_args(argv)
+    assert exit_info.value.code != 0
+    assert message in str(exit_info.value.code) + capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# Whole runs
+
+
+def test_kernel_sweep_writes_csv_png_meta_and_table(tmp_path, capsys):
+    out = tmp_path / "k.csv"
+    argv = ["--engine", "kernel", "--sizes", "1", "3", "40", "--out", str(out)]
+    assert sweep.main([*argv, *TINY]) == 0
+    frame = read_csv(out)
+    assert len(frame) == 6  # upstream and eager x 3 sizes; graph left out on CPU
+    assert set(frame["mode"]) == {"upstream", "eager"}
+    assert frame.loc[frame["mode"] == "eager", "bit_exact"].all()
+    assert frame["gpu_util_pct"].isna().all()  # no NVML on CPU: empty, not 0
+    assert (frame["ops_per_step"] > 0).all()
+    assert (frame["bytes_per_step"] >= 2 * frame["payload_bytes"]).all()
+    notes = json.loads(out.with_suffix(".meta.json").read_text())
+    assert "CUDA device" in notes["skipped_modes"]["kernel"]["graph"]
+    assert out.with_suffix(".png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "kernel/graph left out" in printed and "speedup_vs_upstream" in printed
+
+
+def test_ctrl_c_keeps_the_finished_sizes(tmp_path, monkeypatch):
+    make_inputs = KernelEngine.make_inputs
+
+    def interrupted_at_8(self, num_tokens, generator):
+        if num_tokens == 8:
+            raise KeyboardInterrupt
+        return make_inputs(self, num_tokens, generator)
+
+    monkeypatch.setattr(KernelEngine, "make_inputs", interrupted_at_8)
+    out = tmp_path / "k.csv"
+    argv = ["--engine", "kernel", "--sizes", "1", "3", "8", "16", "--out", str(out)]
+    assert sweep.main([*argv, *TINY]) == sweep.INTERRUPTED
+    assert sorted(set(read_csv(out)["num_tokens"])) == [1, 3]
+    assert json.loads(out.with_suffix(".meta.json").read_text())["interrupted"]
+
+
+def test_kernel_engine_runs_without_vllm(tmp_path):
+    """What a GPU machine without vLLM does: vLLM cannot be imported at all."""
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "from perf import sweep\n"
+        f"argv = ['--sizes', '2', '--out', {str(tmp_path / 'k.csv')!r}, *{TINY!r}]\n"
+        "assert sweep.main(argv) == 0\n"
+        "assert not any(m.startswith('vllm') and sys.modules[m] for m in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert set(read_csv(tmp_path / "k.csv")["engine"]) == {"kernel"}
+
+
+@pytest.fixture(scope="module")
+def vllm_available():
+    pytest.importorskip("vllm")
+
+
+def test_speculator_sweep_is_bit_exact(tmp_path, vllm_available):
+    out = tmp_path / "s.csv"
+    argv = ["--engine", "speculator", "--sizes", "3", "40", "--out", str(out)]
+    assert sweep.main([*argv, *TINY]) == 0
+    frame = read_csv(out)
+    assert sorted(zip(frame["mode"], frame["num_tokens"], strict=True)) == [
+        ("eager", 3), ("eager", 40), ("upstream", 3), ("upstream", 40),
+    ]  # fmt: skip
+    eager = frame[frame["mode"] == "eager"]
+    assert eager["bit_exact"].all()
+    assert frame.loc[frame["mode"] == "upstream", "bit_exact"].isna().all()
+    notes = json.loads(out.with_suffix(".meta.json").read_text())
+    if not torch.cuda.is_available():
+        assert "CUDA device" in notes["skipped_modes"]["speculator"]["graph"]
+
+
+def test_speculator_graph_path_emulated(vllm_available):
+    """Our graph mode end to end on CPU, through the emulated backend: bit
+    exact, padded, and its replayed work counted (never timed)."""
+    from perf.speculator_engine import SpeculatorEngine
+
+    engine = SpeculatorEngine(params(), graph_backend="emulated")
+    with graph_steps_kept():
+        engine.build(["graph"])
+    graph = engine.runners["graph"]
+    for num_tokens, padded in [(3, 4), (40, 40)]:
+        inputs = engine.make_inputs(num_tokens, torch.Generator().manual_seed(2))
+        assert sweep.bit_exact(engine, graph, inputs, graph.receive(inputs))
+        count = count_step(lambda inputs=inputs: graph.step(inputs))
+        assert count.padded_tokens(num_tokens) == padded
+        assert bool(count.replayed) == (num_tokens <= 16)
+
+
+# --------------------------------------------------------------------------
+# CUDA (run by perf/gpu_check.sh)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 40])
+def test_kernel_graph_on_cuda(num_tokens):
+    engine = KernelEngine(params("cuda", dtype="bf16"))
+    with graph_steps_kept():
+        engine.build(["upstream", "eager", "graph"])
+    assert not engine.skipped
+    inputs = engine.make_inputs(num_tokens, torch.Generator().manual_seed(3))
+    for runner in engine.runners.values():
+        assert sweep.bit_exact(engine, runner, inputs, runner.receive(inputs))
+    graph = count_step(lambda: engine.runners["graph"].step(inputs))
+    eager = count_step(lambda: engine.runners["eager"].step(inputs))
+    if num_tokens <= 16:
+        assert graph.replayed and graph.padded_tokens(num_tokens) >= num_tokens
+        assert len(graph.dispatched) < len(eager.dispatched)
+    else:
+        assert not graph.replayed
+
+
+@pytest.mark.cuda
+def test_kernel_sweep_on_cuda(tmp_path):
+    out = tmp_path / "k.csv"
+    argv = ["--engine", "kernel", "--sizes", "3", "16", "600", "--out", str(out)]
+    assert sweep.main([*argv, *TINY]) == 0
+    frame = read_csv(out)
+    graph = frame[frame["mode"] == "graph"].set_index("num_tokens")
+    assert graph["bit_exact"].all()
+    assert graph.loc[3, "padded_tokens"] == 4
+    assert graph.loc[600, "padded_tokens"] == 600  # beyond the capture range: eager
+    assert (frame["p50_us"] > 0).all()
+    launches = graph.loc[[3, 16], "launches_per_step"]
+    assert ((launches > 0) & (launches < 10)).all(), launches
