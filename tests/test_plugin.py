@@ -237,3 +237,49 @@ def test_stock_vllm_rejects_the_key_without_the_plugin(model_dir):
     assert (
         "cudagraph" in proc.stderr and "Unexpected keyword argument" in proc.stderr
     ), proc.stderr[-2000:]
+
+
+def test_target_graph_outputs_are_published_after_the_targets_capture(monkeypatch):
+    """The wrapper on vLLM's ModelCudaGraphManager.capture publishes its
+    persistent aux buffers once the real method has run. vLLM's base-class
+    capture (CUDA graphs, distributed groups) cannot run here; it is replaced
+    by a stand-in that fills the buffers, as its store_capture_output does."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import (
+        CudaGraphManager,
+        ModelCudaGraphManager,
+    )
+
+    from cg_extract import target_buffers
+
+    plugin.register()
+    target_buffers.clear()
+    manager = object.__new__(ModelCudaGraphManager)
+    manager.device = torch.device("cpu")
+    manager.cudagraph_mode = CUDAGraphMode.FULL
+    manager.use_breakable_cg = False
+    manager.aux_hidden_states = []
+    buffers = [torch.zeros(8, 4) for _ in range(3)]
+
+    def base_capture(self, create_forward_fn, progress_bar_desc):
+        assert target_buffers.aux_hidden_states("cpu") == [], "published too early"
+        self.aux_hidden_states = buffers
+
+    monkeypatch.setattr(CudaGraphManager, "capture", base_capture)
+    assert ModelCudaGraphManager.capture._cg_extract
+    ModelCudaGraphManager.capture(
+        manager,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        use_aux_hidden_state_outputs=True,
+    )
+    published = target_buffers.aux_hidden_states("cpu")
+    assert len(published) == 3 and all(
+        p is b for p, b in zip(published, buffers, strict=True)
+    )
+    target_buffers.clear()
