@@ -452,3 +452,15 @@ def test_kernel_sweep_on_cuda(tmp_path):
     assert (frame["p50_us"] > 0).all()
     launches = graph.loc[[3, 16], "launches_per_step"]
     assert ((launches > 0) & (launches < 10)).all(), launches
+
+
+def test_emulated_counts_show_a_zero_copy_step(capsys):
+    from perf import emulated_counts
+
+    emulated_counts.main(["--sizes", "8", "--hidden-size", "128", "--layers", "1", "2"])
+    rows = {
+        line.split()[0]: line.split()
+        for line in capsys.readouterr().out.splitlines()[1:]
+    }
+    assert rows["graph"][1:4] == ["8", "2", "1"]  # tokens, dispatched, moving
+    assert float(rows["upstream"][-1]) > 2.9 and float(rows["graph"][-1]) < 1.05
