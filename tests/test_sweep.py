@@ -457,10 +457,12 @@ def test_kernel_sweep_on_cuda(tmp_path):
 def test_emulated_counts_show_a_zero_copy_step(capsys):
     from perf import emulated_counts
 
-    emulated_counts.main(["--sizes", "8", "--hidden-size", "128", "--layers", "1", "2"])
+    emulated_counts.main(
+        ["--sizes", "8", "--hidden-size", "1024", "--layers", "1", "2"]
+    )
     rows = {
         line.split()[0]: line.split()
         for line in capsys.readouterr().out.splitlines()[1:]
     }
     assert rows["graph"][1:4] == ["8", "2", "1"]  # tokens, dispatched, moving
-    assert float(rows["upstream"][-1]) > 2.9 and float(rows["graph"][-1]) < 1.05
+    assert float(rows["upstream"][-1]) > 2.99 and float(rows["graph"][-1]) < 1.02
