@@ -28,6 +28,7 @@ One step, from ``propose`` to the KV cache:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,7 +56,7 @@ from cg_extract import target_buffers
 from cg_extract.cache_write import write_per_layer
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.config import ExtractGraphConfig
-from cg_extract.write_graphs import PersistentInputs, WriteGraphs
+from cg_extract.write_graphs import GraphInputs, WriteGraphs
 
 logger = init_logger(__name__)
 
@@ -218,13 +219,9 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             return
         from vllm.distributed.parallel_state import graph_capture, is_global_first_rank
 
-        persistent = self._persistent_inputs()
-        progress = is_global_first_rank()
-        if self.graphs.copy_in.backend == "cuda":
-            with graph_capture(self.device):
-                self.graphs.capture(persistent, progress)
-        else:
-            self.graphs.capture(persistent, progress)
+        real_graphs = self.graphs.copy_in.backend == "cuda"
+        with graph_capture(self.device) if real_graphs else contextlib.nullcontext():
+            self.graphs.capture(self._persistent_inputs(), is_global_first_rank())
         logger.info(
             "extract_hidden_states: captured %s graphs for %s tokens (zero-copy "
             "for %s) in %.2f s, %.1f MiB",
@@ -235,7 +232,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             self.graphs.graph_memory_bytes / 2**20,
         )
 
-    def _persistent_inputs(self) -> PersistentInputs | None:
+    def _persistent_inputs(self) -> GraphInputs | None:
         """The target's persistent aux buffers, slot row and padding mask.
 
         Present only once the runner has called ``set_attn`` (block tables,
@@ -263,7 +260,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             return None
         groups = self.kv_cache_config.kv_cache_groups
         (group,) = [i for i, g in enumerate(groups) if self.layer_name in g.layer_names]
-        return PersistentInputs(
+        return GraphInputs(
             aux, block_tables.slot_mappings[group], input_buffers.is_padding
         )
 

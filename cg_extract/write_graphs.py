@@ -34,8 +34,12 @@ Write = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
-class PersistentInputs:
-    """The target's buffers that ``propose`` receives views of."""
+class GraphInputs:
+    """What the write reads: the aux hidden states, slots and padding mask.
+
+    Either the static buffers of the copy-in graphs or the target's persistent
+    buffers that ``propose`` receives views of after a FULL graph replay.
+    """
 
     aux_hidden_states: list[torch.Tensor]  # [rows, hidden] each
     slot_mapping: torch.Tensor  # [rows], the draft layer's slot row
@@ -45,12 +49,13 @@ class PersistentInputs:
     def rows(self) -> int:
         return min(len(self.slot_mapping), *(len(a) for a in self.aux_hidden_states))
 
-
-@dataclass
-class _GraphInputs:
-    aux_hidden_states: list[torch.Tensor]
-    slot_mapping: torch.Tensor
-    is_padding: torch.Tensor
+    def first(self, size: int) -> GraphInputs:
+        """Views of the first ``size`` rows: what a graph of ``size`` reads."""
+        return GraphInputs(
+            [a[:size] for a in self.aux_hidden_states],
+            self.slot_mapping[:size],
+            self.is_padding[:size],
+        )
 
 
 class WriteGraphs:
@@ -77,21 +82,20 @@ class WriteGraphs:
         self.is_padding = self.copy_in.static_buffer(
             "is_padding", (), torch.bool, fill_value=True
         )
-        layers = [hidden[:, i] for i in range(num_layers)]
+        static = GraphInputs(
+            [hidden[:, i] for i in range(num_layers)],
+            self.slot_mapping,
+            self.is_padding,
+        )
         self._copy_in_inputs = {
-            size: _GraphInputs(
-                [h[:size] for h in layers],
-                self.slot_mapping[:size],
-                self.is_padding[:size],
-            )
-            for size in capture_sizes.sizes
+            size: static.first(size) for size in capture_sizes.sizes
         }
         self.zero_copy: CudaGraphManager | None = None
-        self._zero_copy_inputs: dict[int, _GraphInputs] = {}
+        self._zero_copy_inputs: dict[int, GraphInputs] = {}
         # What a replaying step reads: None at capture (the captured views),
         # the caller's tensors at a zero-copy replay. A real replay ignores
         # it; the emulator re-runs the step and checks it is the same memory.
-        self._replay_inputs: _GraphInputs | None = None
+        self._replay_inputs: GraphInputs | None = None
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -117,7 +121,7 @@ class WriteGraphs:
 
     def capture(
         self,
-        persistent: PersistentInputs | None = None,
+        persistent: GraphInputs | None = None,
         progress: bool = True,
         desc: str = "Capturing hidden-state write graphs",
     ) -> None:
@@ -127,14 +131,7 @@ class WriteGraphs:
         sizes = [s for s in self.copy_in.capture_sizes.sizes if s <= persistent.rows]
         if not sizes:
             return
-        self._zero_copy_inputs = {
-            size: _GraphInputs(
-                [a[:size] for a in persistent.aux_hidden_states],
-                persistent.slot_mapping[:size],
-                persistent.is_padding[:size],
-            )
-            for size in sizes
-        }
+        self._zero_copy_inputs = {size: persistent.first(size) for size in sizes}
         self.zero_copy = CudaGraphManager(
             sizes, self.copy_in.device, self.copy_in.backend, self.copy_in.pool
         )
@@ -145,7 +142,7 @@ class WriteGraphs:
     def _capture(
         self,
         graphs: CudaGraphManager,
-        inputs: dict[int, _GraphInputs],
+        inputs: dict[int, GraphInputs],
         progress: bool,
         desc: str,
     ) -> None:
@@ -164,7 +161,7 @@ class WriteGraphs:
     ) -> str:
         """Write one step of ``len(slot_mapping)`` tokens through a graph of
         ``padded`` tokens; returns the path taken, "zero_copy" or "copy_in"."""
-        given = _GraphInputs(list(aux_hidden_states), slot_mapping, is_padding)
+        given = GraphInputs(list(aux_hidden_states), slot_mapping, is_padding)
         if self._reads_in_place(given, padded):
             self._replay_inputs = given
             try:
@@ -181,7 +178,7 @@ class WriteGraphs:
         self.copy_in.replay(padded)
         return "copy_in"
 
-    def _reads_in_place(self, given: _GraphInputs, padded: int) -> bool:
+    def _reads_in_place(self, given: GraphInputs, padded: int) -> bool:
         captured = self._zero_copy_inputs.get(padded)
         if (
             captured is None

@@ -15,7 +15,7 @@ import torch
 
 from cg_extract.cache_write import write_per_layer, write_stacked
 from cg_extract.capture_sizes import CaptureSizes
-from cg_extract.write_graphs import PAD_SLOT_ID, PersistentInputs, WriteGraphs
+from cg_extract.write_graphs import PAD_SLOT_ID, GraphInputs, WriteGraphs
 from perf.engines import Engine, Mode, Params, Runner, require_cuda_graphs
 
 MAX_NUM_REQS = 256
@@ -104,7 +104,7 @@ class GraphKernel(Runner):
         self.persistent = None
         if in_place:
             rows = max(p.capture_sizes)
-            self.persistent = PersistentInputs(
+            self.persistent = GraphInputs(
                 [engine.new_rows(rows, p.torch_dtype) for _ in p.aux_layers],
                 torch.full(
                     (rows,), PAD_SLOT_ID, dtype=torch.int64, device=engine.device

@@ -8,7 +8,7 @@ import torch
 from cg_extract.cache_write import write_per_layer, write_stacked
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.cudagraph_manager import StaticMemoryViolation
-from cg_extract.write_graphs import PersistentInputs, WriteGraphs
+from cg_extract.write_graphs import GraphInputs, WriteGraphs
 
 SIZES = CaptureSizes([1, 2, 4, 8, 16, 24, 32, 48, 64])
 LAYERS, HIDDEN, BLOCK, BLOCKS = 3, 128, 16, 12
@@ -28,7 +28,7 @@ class Rig:
             BLOCKS, LAYERS, BLOCK, HIDDEN, dtype=dtype, device=device
         )
         self.reference = torch.zeros_like(self.cache)
-        self.persistent = PersistentInputs(
+        self.persistent = GraphInputs(
             [
                 torch.zeros(SIZES.max_size, HIDDEN, dtype=dtype, device=device)
                 for _ in range(LAYERS)
