@@ -16,6 +16,8 @@ Backends:
 ``cuda``
     ``torch.cuda.CUDAGraph``: one graph per size, captured largest first into
     one memory pool (the caller's, e.g. vLLM's global graph pool, or our own).
+    A caller that must route each capture (vLLM's ``capture_pool`` for sleep
+    mode, its capture stream) passes a ``graph_scope``.
 ``emulated``
     For machines without CUDA, to prove callers keep the contract. Capture
     runs the step under a dispatch mode that records every aten op with its
@@ -37,8 +39,10 @@ Backends:
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +56,16 @@ from cg_extract.capture_sizes import CaptureSizes
 BACKENDS = ("cuda", "emulated")
 
 Step = Callable[[int], None]
+
+# Given the manager's pool, enter whatever must surround one capture and yield
+# the (pool, stream) that ``torch.cuda.graph`` captures with.
+GraphScope = Callable[[Any], AbstractContextManager[tuple[Any, Any]]]
+
+
+@contextlib.contextmanager
+def default_graph_scope(pool: Any) -> Iterator[tuple[Any, Any]]:
+    """The manager's pool and torch's own capture stream."""
+    yield pool, None
 
 
 class GraphCaptureError(RuntimeError):
@@ -71,6 +85,7 @@ class CudaGraphManager:
         device: torch.device | str,
         backend: str = "cuda",
         pool: Any = None,
+        graph_scope: GraphScope = default_graph_scope,
     ):
         if backend not in BACKENDS:
             raise ValueError(
@@ -87,9 +102,12 @@ class CudaGraphManager:
         self.device = torch.device(device)
         self.backend = backend
         self.pool = pool
+        self.graph_scope = graph_scope
         self.buffers: dict[str, torch.Tensor] = {}
         self._graphs: dict[int, Any] = {}
         self.capture_time_s = 0.0
+        # What the captures themselves took, static buffers not included:
+        # device memory for ``cuda``, the step's own allocations when emulated.
         self.graph_memory_bytes = 0
 
     @property
@@ -99,6 +117,10 @@ class CudaGraphManager:
     @property
     def captured_sizes(self) -> list[int]:
         return sorted(self._graphs)
+
+    @property
+    def static_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
 
     def static_buffer(
         self,
@@ -139,7 +161,8 @@ class CudaGraphManager:
         self._sync()
         self.capture_time_s = time.perf_counter() - start
         if self.backend == "cuda":
-            self.graph_memory_bytes = free_before - self._free_device_memory()
+            # Another process may free memory meanwhile; the graphs took none.
+            self.graph_memory_bytes = max(free_before - self._free_device_memory(), 0)
         else:
             self.graph_memory_bytes = max(g.held_bytes for g in self._graphs.values())
 
@@ -163,7 +186,10 @@ class CudaGraphManager:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with (
+                self.graph_scope(self.pool) as (pool, stream),
+                torch.cuda.graph(graph, pool=pool, stream=stream),
+            ):
                 step(size)
             return graph
         return EmulatedGraph.capture(step, size)
@@ -173,9 +199,13 @@ class CudaGraphManager:
             torch.cuda.synchronize(self.device)
 
     def _free_device_memory(self) -> int:
+        """Free device memory with the allocator's cache emptied first: every
+        ``torch.cuda.graph`` empties it on entry, so a sample taken with cached
+        blocks would count their release against the graphs."""
         if self.backend != "cuda":
             return 0
         self._sync()
+        torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(self.device)[0]
 
 

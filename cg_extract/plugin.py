@@ -13,9 +13,11 @@ idempotent:
   ExtractHiddenStatesSpeculator`` at our class. MRv2's ``init_speculator``
   imports that name at call time, so it builds ours for
   ``method == "extract_hidden_states"`` and nothing else changes;
-* wraps ``ModelCudaGraphManager.capture`` to publish the target's persistent
-  aux-hidden-state buffers (:mod:`cg_extract.target_buffers`), which the
-  zero-copy graphs read. The wrapper only reads an attribute after capture.
+* wraps ``ModelCudaGraphManager.capture`` to publish the target's manager
+  (:mod:`cg_extract.target_buffers`, a weak reference): its persistent
+  aux-hidden-state buffers, which the zero-copy graphs read, and the token
+  counts of its planned FULL graphs, the sizes those graphs are captured
+  for. The wrapper only reads attributes after capture.
 """
 
 from __future__ import annotations
@@ -141,7 +143,22 @@ def _publish_target_graph_outputs() -> None:
     @functools.wraps(original)
     def capture(self: ModelCudaGraphManager, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        target_buffers.publish(self.device, self.aux_hidden_states)
+        target_buffers.publish(self.device, self, planned_full_sizes(self))
 
     capture._cg_extract = True  # type: ignore[attr-defined]
     ModelCudaGraphManager.capture = capture
+
+
+def planned_full_sizes(manager: Any) -> list[int]:
+    """Token counts of every FULL graph ``manager`` plans, captured or not.
+
+    While profiling memory, vLLM captures only the largest few of them
+    (``_max_full_descs_to_capture``), yet our graphs must be measured in full;
+    so the plan (``_capture_descs``, the list its ``capture`` walks), not the
+    captured ``graphs``. After a FULL replay of each of these, ``propose`` gets
+    views of that many rows of the manager's persistent buffers.
+    """
+    from vllm.config.compilation import CUDAGraphMode
+
+    descs = getattr(manager, "_capture_descs", {}).get(CUDAGraphMode.FULL, [])
+    return sorted({desc.num_tokens for desc in descs})

@@ -28,7 +28,6 @@ One step, from ``propose`` to the KV cache:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +41,6 @@ from vllm.forward_context import (
     override_forward_context,
     set_forward_context,
 )
-from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.extract_hidden_states import (
     CacheOnlyAttentionMetadata,
@@ -52,13 +50,14 @@ from vllm.v1.worker.gpu.dp_utils import DPSyncState
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-from cg_extract import target_buffers
+from cg_extract import get_logger, target_buffers
 from cg_extract.cache_write import write_per_layer
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.config import ExtractGraphConfig
+from cg_extract.vllm_graphs import SpeculatorGraphs
 from cg_extract.write_graphs import GraphInputs, WriteGraphs
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
@@ -96,8 +95,18 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         self.supports_mm_inputs = False
         self.num_hidden_states = len(layer_ids)
         assert isinstance(self.dtype, torch.dtype)
-        self.graphs: WriteGraphs | None = None
+        # vLLM's memory profiler and elastic EP find the graphs through this
+        # attribute (a vLLM CudaGraphManager); it holds the only reference to
+        # them. Nothing is allocated until capture().
+        self.cudagraph_manager: SpeculatorGraphs | None = None
         self.counts = {"zero_copy": 0, "copy_in": 0, "eager": 0}
+
+    @property
+    def graphs(self) -> WriteGraphs | None:
+        """The captured graphs, None before capture and once vLLM released
+        or dropped them."""
+        manager = self.cudagraph_manager
+        return manager.write_graphs if manager is not None else None
 
     def load_draft_model(
         self, target_model: nn.Module, target_attn_layer_names: set[str]
@@ -145,19 +154,28 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
     # CUDA graphs
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        """Plan the graphs; allocate nothing (see :meth:`capture`).
+
+        The runner calls this again for every KV cache it initialises (the
+        memory profiler's, then the real one): graphs of an earlier call hold
+        that call's KV cache and are dropped first.
+        """
+        if self.cudagraph_manager is not None:
+            self.cudagraph_manager.release_graphs()
+            self.cudagraph_manager = None
         backend, reason = self._graph_backend(cudagraph_mode)
         if backend is None:
             logger.info_once("extract_hidden_states runs eagerly: %s.", reason)
             return
-        self.graphs = WriteGraphs(
-            self._capture_sizes(),
+        self.cudagraph_manager = SpeculatorGraphs(
+            self.vllm_config,
             self.device,
             backend,
+            self._capture_sizes(),
             self.num_hidden_states,
             self.vllm_config.model_config.get_hidden_size(),
             self.dtype,
             write=self._graph_write,
-            pool=self._pool(backend),
         )
 
     def _graph_write(
@@ -176,14 +194,6 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         )
         with override_forward_context(context):
             self._write(aux_hidden_states, slots)
-
-    @staticmethod
-    def _pool(backend: str) -> Any:
-        if backend != "cuda":
-            return None
-        from vllm.platforms import current_platform
-
-        return current_platform.get_global_graph_pool()
 
     def _graph_backend(self, mode: CUDAGraphMode) -> tuple[str | None, str]:
         if not self.graph_config.cudagraph:
@@ -215,54 +225,67 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         )
 
     def capture(self) -> None:
-        if self.graphs is None:
+        """Allocate the static buffers and capture, inside the window that
+        vLLM's ``capture_model`` measures (and its memory profiler reserves
+        KV-cache headroom for)."""
+        manager = self.cudagraph_manager
+        if manager is None:
             return
-        from vllm.distributed.parallel_state import graph_capture, is_global_first_rank
+        from vllm.distributed.parallel_state import is_global_first_rank
 
-        real_graphs = self.graphs.copy_in.backend == "cuda"
-        with graph_capture(self.device) if real_graphs else contextlib.nullcontext():
-            self.graphs.capture(self._persistent_inputs(), is_global_first_rank())
-        logger.info(
-            "extract_hidden_states: captured %s graphs for %s tokens (zero-copy "
-            "for %s) in %.2f s, %.1f MiB",
-            self.graphs.copy_in.backend,
-            self.graphs.captured_sizes,
-            self.graphs.zero_copy_sizes or "none",
-            self.graphs.capture_time_s,
-            self.graphs.graph_memory_bytes / 2**20,
-        )
+        first_rank = is_global_first_rank()
+        persistent, zero_copy_sizes = self._persistent_inputs()
+        graphs = manager.capture(persistent, zero_copy_sizes, progress=first_rank)
+        if first_rank:
+            logger.info(
+                "extract_hidden_states: captured %s graphs for %s tokens "
+                "(zero-copy for %s) in %.2f s: static buffers %.1f MiB, "
+                "graphs %.1f MiB",
+                graphs.copy_in.backend,
+                graphs.captured_sizes,
+                graphs.zero_copy_sizes or "none",
+                graphs.capture_time_s,
+                graphs.static_bytes / 2**20,
+                graphs.graph_memory_bytes / 2**20,
+            )
 
-    def _persistent_inputs(self) -> GraphInputs | None:
-        """The target's persistent aux buffers, slot row and padding mask.
+    def _persistent_inputs(self) -> tuple[GraphInputs | None, list[int]]:
+        """The target's persistent aux buffers, slot row and padding mask, and
+        the token counts of the target's planned FULL graphs: after a FULL
+        replay of the target, ``propose`` gets views of exactly those.
 
         Present only once the runner has called ``set_attn`` (block tables,
-        input buffers) and its graph manager has captured FULL graphs with aux
+        input buffers) and its graph manager has planned FULL graphs with aux
         outputs (published by the plugin's capture hook).
         """
-        aux = target_buffers.aux_hidden_states(self.device)
+        target = target_buffers.get(self.device)
         block_tables = getattr(self, "block_tables", None)
         input_buffers = getattr(self, "target_input_buffers", None)
         kv_cache = self.cache_layer.kv_cache
         why = None
-        if not aux:
+        if target is None or not target.full_sizes:
             why = "the target captured no FULL graphs with aux hidden states"
         elif block_tables is None or input_buffers is None:
             why = "the runner has not shared its block tables"
-        elif len(aux) != self.num_hidden_states or any(
+        elif len(target.aux_hidden_states) != self.num_hidden_states or any(
             a.dim() != 2
             or a.shape[1] != kv_cache.shape[-1]
             or a.dtype != kv_cache.dtype
-            for a in aux
+            for a in target.aux_hidden_states
         ):
             why = "the target's aux buffers do not match the hidden-state cache"
         if why is not None:
             logger.info_once("extract_hidden_states: no zero-copy graphs: %s.", why)
-            return None
+            return None, []
         groups = self.kv_cache_config.kv_cache_groups
         (group,) = [i for i, g in enumerate(groups) if self.layer_name in g.layer_names]
-        return GraphInputs(
-            aux, block_tables.slot_mappings[group], input_buffers.is_padding
+        persistent = GraphInputs(
+            target.aux_hidden_states,
+            block_tables.slot_mappings[group],
+            input_buffers.is_padding,
         )
+        # vLLM sizes its buffers at its largest FULL graph: all fit.
+        return persistent, [s for s in target.full_sizes if s <= persistent.rows]
 
     def cudagraph_stats(self) -> dict[str, Any]:
         graphs = self.graphs
@@ -270,7 +293,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             "captured_sizes": graphs.captured_sizes if graphs else [],
             "zero_copy_sizes": graphs.zero_copy_sizes if graphs else [],
             "replays": self.counts["zero_copy"] + self.counts["copy_in"],
-            "eager_fallbacks": self.counts["eager"] if graphs else 0,
+            "eager_fallbacks": self.counts["eager"] if self.cudagraph_manager else 0,
             "zero_copy_replays": self.counts["zero_copy"],
             "copy_in_replays": self.counts["copy_in"],
             "eager_steps": self.counts["eager"],
@@ -337,10 +360,15 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
     def _graph_size(
         self, num_tokens: int, dp_sync_state: DPSyncState | None
     ) -> int | None:
-        """The captured size to replay, or None to run eagerly."""
-        if self.graphs is None:
-            return None
-        if dp_sync_state is not None:
-            # Every DP rank must pick the same graph size.
-            num_tokens = max(num_tokens, int(dp_sync_state.num_tokens_across_dp.max()))
-        return self.graphs.padded_size(num_tokens)
+        """The captured size to replay, or None to run eagerly.
+
+        From this rank's own count, with or without data parallelism: the
+        write has no collective, so ranks need not agree on a graph. When they
+        agreed on one, vLLM padded every rank's batch to it already (each
+        ``num_tokens_across_dp`` entry is then ``num_tokens``); when they agreed
+        to run eagerly (``dp_sync_state.eager``), the entries are the ranks'
+        real counts, and padding to the largest would only waste a graph.
+        """
+        del dp_sync_state
+        graphs = self.graphs
+        return graphs.padded_size(num_tokens) if graphs is not None else None

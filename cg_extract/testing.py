@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,7 @@ def load_speculator(
     device = torch.device(device)
     vllm_config = copy.deepcopy(vllm_config)
     with set_current_vllm_config(vllm_config), _cpu_safe_model_loading(device):
+        single_process_parallel_state()
         speculator = cls(vllm_config, device)
         speculator.load_model(None)
     (layer_name,) = speculator.draft_attn_layer_names
@@ -148,22 +150,53 @@ def load_speculator(
     return LoadedSpeculator(speculator, vllm_config, layer.kv_cache, layer_name)
 
 
+def single_process_parallel_state() -> None:
+    """A world of one, as every worker has: vLLM's ``CudaGraphManager`` (the
+    base of our graphs' lifecycle shell) asks for the pipeline group, and
+    ``capture`` enters ``graph_capture``, which needs the tensor, pipeline
+    and data parallel groups. Idempotent; call it under the config in use."""
+    from vllm.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+
+    if model_parallel_is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend="gloo",
+    )
+    initialize_model_parallel(1, 1)
+
+
 @dataclass
 class TargetGraphOutputs:
     """What MRv2's runner holds once the target captured FULL graphs: the graph
-    manager's persistent aux-hidden-state buffers, the block tables' slot rows
-    and the input buffers' padding mask. ``propose`` then gets views of them."""
+    manager's persistent aux-hidden-state buffers (sized, as vLLM sizes them,
+    for its largest FULL graph), the token counts of its FULL graphs, the
+    block tables' slot rows and the input buffers' padding mask. ``propose``
+    then gets views of them. Stands in for the ``ModelCudaGraphManager`` that
+    :mod:`cg_extract.target_buffers` refers to, so keep it alive as long."""
 
-    aux_hidden_states: list[torch.Tensor]  # [rows, hidden] each
+    aux_hidden_states: list[torch.Tensor]  # [max(full_sizes), hidden] each
+    full_sizes: list[int]
     slot_mappings: torch.Tensor  # [num_kv_cache_groups, max_num_tokens]
     input_buffers: Any  # vllm InputBuffers
 
 
 def attach_target_graph_outputs(
-    loaded: LoadedSpeculator, rows: int
+    loaded: LoadedSpeculator, full_sizes: list[int]
 ) -> TargetGraphOutputs:
     """Hand the speculator the runner's persistent buffers, as ``set_attn`` and
-    the plugin's capture hook do on a GPU worker."""
+    the plugin's capture hook do on a GPU worker, for a target with FULL
+    graphs of ``full_sizes`` tokens."""
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.worker.gpu.input_batch import InputBuffers
 
@@ -172,15 +205,17 @@ def attach_target_graph_outputs(
     spec = loaded.speculator
     device = loaded.kv_cache.device
     num_blocks, num_layers, _, hidden = loaded.kv_cache.shape
+    rows = max(full_sizes)
     outputs = TargetGraphOutputs(
         [
             torch.zeros(rows, hidden, dtype=loaded.kv_cache.dtype, device=device)
             for _ in range(num_layers)
         ],
+        list(full_sizes),
         torch.full((1, spec.max_num_tokens), -1, dtype=torch.int64, device=device),
         InputBuffers(spec.max_num_reqs, spec.max_num_tokens, device),
     )
-    target_buffers.publish(device, outputs.aux_hidden_states)
+    target_buffers.publish(device, outputs, outputs.full_sizes)
     layer = loaded.vllm_config.compilation_config.static_forward_context[
         loaded.layer_name
     ]

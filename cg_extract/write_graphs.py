@@ -8,9 +8,17 @@ Two sets of graphs over the same capture sizes, both replaying the caller's
   the padded tail at slot -1 (the null block) and replays;
 * zero-copy graphs read the target's persistent buffers directly: after a
   FULL graph replay of the target, ``propose`` is handed views of exactly
-  those. ``run`` checks address, shape, stride and dtype of every input and,
-  when they are the captured views, only replays. Anything else (other
-  memory, another stride, a size that needs padding) takes the copy-in graph.
+  those. They exist for the sizes the caller names (the target's FULL
+  sizes), which need not be capture sizes. ``run`` checks address, shape,
+  stride and dtype of every input and, when they are the captured views,
+  only replays. Anything else (other memory, another stride, a size without
+  a zero-copy graph) takes the copy-in graph, or runs ``write`` eagerly in
+  the one case neither fits: a zero-copy size above the largest capture size
+  whose inputs are not in place.
+
+The static buffers are allocated when this object is built; build it where
+the caller's memory accounting should see them (the speculator builds it in
+``capture()``, inside the window vLLM measures).
 
 No vLLM here: the speculator supplies a ``write`` that adds vLLM's forward
 context and connector hooks, the ``kernel`` sweep and the GPU tests supply
@@ -26,7 +34,11 @@ from typing import Any
 import torch
 
 from cg_extract.capture_sizes import CaptureSizes
-from cg_extract.cudagraph_manager import CudaGraphManager
+from cg_extract.cudagraph_manager import (
+    CudaGraphManager,
+    GraphScope,
+    default_graph_scope,
+)
 
 PAD_SLOT_ID = -1  # vLLM's padding slot; the cache write sends it to block 0
 
@@ -69,9 +81,12 @@ class WriteGraphs:
         dtype: torch.dtype,
         write: Write,
         pool: Any = None,
+        graph_scope: GraphScope = default_graph_scope,
     ):
         self.write = write
-        self.copy_in = CudaGraphManager(capture_sizes, device, backend, pool)
+        self.copy_in = CudaGraphManager(
+            capture_sizes, device, backend, pool, graph_scope
+        )
         hidden = self.copy_in.static_buffer(
             "hidden_states", (num_layers, hidden_size), dtype
         )
@@ -111,29 +126,56 @@ class WriteGraphs:
 
     @property
     def graph_memory_bytes(self) -> int:
+        """What the captures took, static buffers not included."""
         return sum(g.graph_memory_bytes for g in self._managers())
+
+    @property
+    def static_bytes(self) -> int:
+        return self.copy_in.static_bytes
 
     def _managers(self) -> list[CudaGraphManager]:
         return [g for g in (self.copy_in, self.zero_copy) if g is not None]
 
     def padded_size(self, num_tokens: int) -> int | None:
-        return self.copy_in.padded_size(num_tokens)
+        """The size ``run`` is given for ``num_tokens``: the copy-in graph's
+        padded size, else ``num_tokens`` itself when only a zero-copy graph
+        has it, else None (run eagerly)."""
+        padded = self.copy_in.padded_size(num_tokens)
+        if padded is None and num_tokens in self._zero_copy_inputs:
+            return num_tokens
+        return padded
 
     def capture(
         self,
         persistent: GraphInputs | None = None,
+        zero_copy_sizes: Sequence[int] = (),
         progress: bool = True,
         desc: str = "Capturing hidden-state write graphs",
     ) -> None:
+        """Copy-in graphs for every capture size, then, over ``persistent``,
+        zero-copy graphs for exactly ``zero_copy_sizes``."""
         self._capture(self.copy_in, self._copy_in_inputs, progress, f"{desc} (copy-in)")
-        if persistent is None:
+        if persistent is None or not zero_copy_sizes:
             return
-        sizes = [s for s in self.copy_in.capture_sizes.sizes if s <= persistent.rows]
-        if not sizes:
-            return
+        too_big = [s for s in zero_copy_sizes if s > persistent.rows]
+        if too_big:
+            raise ValueError(
+                f"zero-copy sizes {too_big} exceed the persistent buffers' "
+                f"{persistent.rows} rows"
+            )
+        # Warm-up and capture run the write over the slot row as it stands:
+        # rows a past step left there name live slots, which it would
+        # overwrite with stale states. vLLM's capture fills the row with the
+        # padding slot before capturing (get_dummy_slot_mappings); so do we.
+        persistent.slot_mapping.fill_(PAD_SLOT_ID)
+        sizes = sorted(set(zero_copy_sizes))
         self._zero_copy_inputs = {size: persistent.first(size) for size in sizes}
         self.zero_copy = CudaGraphManager(
-            sizes, self.copy_in.device, self.copy_in.backend, self.copy_in.pool
+            sizes,
+            self.copy_in.device,
+            self.copy_in.backend,
+            self.copy_in.pool,
+            self.copy_in.graph_scope,
         )
         self._capture(
             self.zero_copy, self._zero_copy_inputs, progress, f"{desc} (zero-copy)"
@@ -159,17 +201,21 @@ class WriteGraphs:
         is_padding: torch.Tensor,
         padded: int,
     ) -> str:
-        """Write one step of ``len(slot_mapping)`` tokens through a graph of
-        ``padded`` tokens; returns the path taken, "zero_copy" or "copy_in"."""
+        """Write one step of ``n = len(slot_mapping)`` tokens, ``padded`` being
+        :meth:`padded_size` of ``n``; returns the path taken: "zero_copy",
+        "copy_in", or "eager" (a zero-copy-only size, inputs not in place)."""
         given = GraphInputs(list(aux_hidden_states), slot_mapping, is_padding)
-        if self._reads_in_place(given, padded):
+        n = len(slot_mapping)
+        if self._reads_in_place(given):
             self._replay_inputs = given
             try:
-                self.zero_copy.replay(padded)
+                self.zero_copy.replay(n)
             finally:
                 self._replay_inputs = None
             return "zero_copy"
-        n = len(slot_mapping)
+        if self.copy_in.padded_size(n) != padded:
+            self.write(aux_hidden_states, slot_mapping, is_padding)
+            return "eager"
         torch.stack(aux_hidden_states, dim=1, out=self.hidden_states[:n])
         self.slot_mapping[:n].copy_(slot_mapping)
         self.slot_mapping[n:padded].fill_(PAD_SLOT_ID)
@@ -178,12 +224,10 @@ class WriteGraphs:
         self.copy_in.replay(padded)
         return "copy_in"
 
-    def _reads_in_place(self, given: GraphInputs, padded: int) -> bool:
-        captured = self._zero_copy_inputs.get(padded)
-        if (
-            captured is None
-            or len(given.slot_mapping) != padded
-            or len(given.aux_hidden_states) != len(captured.aux_hidden_states)
+    def _reads_in_place(self, given: GraphInputs) -> bool:
+        captured = self._zero_copy_inputs.get(len(given.slot_mapping))
+        if captured is None or len(given.aux_hidden_states) != len(
+            captured.aux_hidden_states
         ):
             return False
         pairs = zip(
@@ -194,8 +238,11 @@ class WriteGraphs:
         return all(_same_view(got, want) for got, want in pairs)
 
     def release(self) -> None:
+        """Drop every graph and the views of the caller's persistent buffers."""
         for graphs in self._managers():
             graphs.release()
+        self.zero_copy = None
+        self._zero_copy_inputs = {}
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -12,7 +12,6 @@ stay fast and the module can be imported where vLLM is absent.
 
 from __future__ import annotations
 
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -93,11 +92,11 @@ class GraphRunner(SpeculatorRunner):
         )
         self.target = None
         if in_place:
-            rows = max(engine.params.capture_sizes)
-            self.target = attach_target_graph_outputs(self.loaded, rows)
-        _init_graphs_as_the_runner_does(
-            self, real_graphs=engine.graph_backend == "cuda"
-        )
+            # A target with FULL graphs at our sizes: all replay with no copy.
+            self.target = attach_target_graph_outputs(
+                self.loaded, list(engine.params.capture_sizes)
+            )
+        _init_graphs_as_the_runner_does(self)
         if not self.speculator.cudagraph_stats()["captured_sizes"]:
             raise ModeUnavailable("the speculator captured no graphs (see its log)")
 
@@ -112,9 +111,7 @@ class GraphRunner(SpeculatorRunner):
         return as_target_outputs(inputs, self.loaded, self.target)
 
 
-def _init_graphs_as_the_runner_does(
-    runner: SpeculatorRunner, real_graphs: bool = False
-) -> None:
+def _init_graphs_as_the_runner_does(runner: SpeculatorRunner) -> None:
     """``init_cudagraph_manager`` with the runner's usual mode, then ``capture``
     (a no-op when graphs are off, called anyway as the runner calls it)."""
     from vllm.config import set_current_vllm_config
@@ -123,34 +120,7 @@ def _init_graphs_as_the_runner_does(
     spec = runner.speculator
     spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
     with set_current_vllm_config(runner.loaded.vllm_config):
-        if real_graphs:
-            _single_process_parallel_state()
         spec.capture()
-
-
-def _single_process_parallel_state() -> None:
-    """``capture`` enters vLLM's ``graph_capture``, which needs the tensor,
-    pipeline and data parallel groups; a worker has them, this process must
-    make a world of one."""
-    from vllm.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-        model_parallel_is_initialized,
-    )
-
-    if model_parallel_is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(
-        world_size=1,
-        rank=0,
-        local_rank=0,
-        distributed_init_method=f"tcp://127.0.0.1:{port}",
-        backend="gloo",
-    )
-    initialize_model_parallel(1, 1)
 
 
 class SpeculatorEngine(Engine):

@@ -240,12 +240,15 @@ def test_stock_vllm_rejects_the_key_without_the_plugin(model_dir):
 
 
 def test_target_graph_outputs_are_published_after_the_targets_capture(monkeypatch):
-    """The wrapper on vLLM's ModelCudaGraphManager.capture publishes its
-    persistent aux buffers once the real method has run. vLLM's base-class
-    capture (CUDA graphs, distributed groups) cannot run here; it is replaced
-    by a stand-in that fills the buffers, as its store_capture_output does."""
+    """The wrapper on vLLM's ModelCudaGraphManager.capture publishes the
+    manager once the real method has run: its persistent aux buffers and the
+    token counts of its planned FULL descriptors (PIECEWISE ones excluded).
+    vLLM's base-class capture (CUDA graphs, distributed groups) cannot run
+    here; it is replaced by a stand-in that fills the buffers, as its
+    store_capture_output does. tests/test_lifecycle.py plans real ones."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import (
+        BatchExecutionDescriptor,
         CudaGraphManager,
         ModelCudaGraphManager,
     )
@@ -256,13 +259,20 @@ def test_target_graph_outputs_are_published_after_the_targets_capture(monkeypatc
     target_buffers.clear()
     manager = object.__new__(ModelCudaGraphManager)
     manager.device = torch.device("cpu")
-    manager.cudagraph_mode = CUDAGraphMode.FULL
+    manager.cudagraph_mode = CUDAGraphMode.FULL  # no PIECEWISE check on `model`
     manager.use_breakable_cg = False
     manager.aux_hidden_states = []
+    manager._capture_descs = {
+        mode: [BatchExecutionDescriptor(mode, n, n // 2) for n in sizes]
+        for mode, sizes in (
+            (CUDAGraphMode.PIECEWISE, (16, 12, 8)),
+            (CUDAGraphMode.FULL, (8, 4, 4, 2)),
+        )
+    }
     buffers = [torch.zeros(8, 4) for _ in range(3)]
 
     def base_capture(self, create_forward_fn, progress_bar_desc):
-        assert target_buffers.aux_hidden_states("cpu") == [], "published too early"
+        assert target_buffers.get("cpu") is None, "published too early"
         self.aux_hidden_states = buffers
 
     monkeypatch.setattr(CudaGraphManager, "capture", base_capture)
@@ -278,8 +288,11 @@ def test_target_graph_outputs_are_published_after_the_targets_capture(monkeypatc
         None,
         use_aux_hidden_state_outputs=True,
     )
-    published = target_buffers.aux_hidden_states("cpu")
-    assert len(published) == 3 and all(
-        p is b for p, b in zip(published, buffers, strict=True)
+    published = target_buffers.get("cpu")
+    assert published.full_sizes == (2, 4, 8)
+    assert len(published.aux_hidden_states) == 3 and all(
+        p is b for p, b in zip(published.aux_hidden_states, buffers, strict=True)
     )
+    del manager, published
+    assert target_buffers.get("cpu") is None, "only a weak reference is kept"
     target_buffers.clear()

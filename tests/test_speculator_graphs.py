@@ -156,21 +156,26 @@ def test_padding_pads_to_the_smallest_captured_size(model_dir, monkeypatch):
     assert (graphed.speculator.graphs.slot_mapping[33:48] == -1).all()
 
 
-def test_data_parallel_ranks_pad_to_the_same_size(model_dir, monkeypatch):
+def test_data_parallel_steps_use_this_ranks_count(model_dir, monkeypatch):
     graphed = graph_speculator(build_vllm_config(model_dir, **GRAPH_KEYS))
     replayed = record_replays(graphed, monkeypatch)
 
-    def dp(*counts):
+    def dp(*counts, eager):
         return DPSyncState(
-            torch.tensor(counts, dtype=torch.int32), None, False, max(counts)
+            torch.tensor(counts, dtype=torch.int32), None, eager, max(counts)
         )
 
-    inputs = make_step_inputs(graphed, 5, torch.Generator().manual_seed(0))
-    graphed.speculator.propose(**inputs.kwargs, dp_sync_state=dp(5, 20))
-    assert replayed == [24], "this rank pads to the size the busiest rank needs"
-    graphed.speculator.propose(**inputs.kwargs, dp_sync_state=dp(5, 100))
-    assert replayed == [24], "all ranks go eager together"
-    assert counts(graphed)[2] == 1
+    gen = torch.Generator().manual_seed(0)
+    # The ranks agreed to run eagerly (another is in a long prefill): each
+    # entry is a rank's real count; 5 tokens fit this rank's graph of 8.
+    inputs = make_step_inputs(graphed, 5, gen)
+    graphed.speculator.propose(**inputs.kwargs, dp_sync_state=dp(5, 100, eager=True))
+    graphed.speculator.propose(**inputs.kwargs, dp_sync_state=dp(5, 20, eager=True))
+    # They agreed on a graph: vLLM padded every rank to it, this one included.
+    inputs = make_step_inputs(graphed, 24, gen)
+    graphed.speculator.propose(**inputs.kwargs, dp_sync_state=dp(24, 24, eager=False))
+    assert replayed == [8, 8, 24]
+    assert counts(graphed)[1:] == (3, 0)
 
 
 @pytest.mark.parametrize(
@@ -206,7 +211,7 @@ def test_no_graphs_and_why(model_dir, mode, keys, reason):
     backend, why = loaded.speculator._graph_backend(mode)
     assert backend is None and reason in why
     loaded.speculator.init_cudagraph_manager(mode)
-    assert loaded.speculator.graphs is None
+    assert loaded.speculator.cudagraph_manager is None
     loaded.speculator.capture()  # a no-op, as the runner calls it regardless
     loaded.speculator.propose(
         **make_step_inputs(loaded, 4, torch.Generator().manual_seed(0)).kwargs
@@ -234,7 +239,7 @@ def test_default_sizes_follow_the_target(model_dir):
     )
     graphed = graph_speculator(cfg, capture=False)
     # vLLM's default for 16 requests, 2 tokens each (one speculative token).
-    assert graphed.speculator.graphs.copy_in.capture_sizes.sizes == (
+    assert graphed.speculator.cudagraph_manager.capture_sizes.sizes == (
         1,
         2,
         4,

@@ -40,7 +40,9 @@ class Rig:
             SIZES, self.device, backend, LAYERS, HIDDEN, dtype,
             write=lambda aux, slots, is_padding: write_per_layer(aux, self.cache, slots),
         )  # fmt: skip
-        self.graphs.capture(self.persistent if zero_copy else None, progress=False)
+        self.graphs.capture(
+            self.persistent if zero_copy else None, SIZES.sizes, progress=False
+        )
 
     def inputs(self, n, gen, in_place):
         slots = torch.randperm((BLOCKS - 1) * BLOCK, generator=gen)[:n] + BLOCK
@@ -123,9 +125,7 @@ def test_real_or_emulated_graph_memory_and_time_reported(backend, device):
 
 def test_emulator_rejects_zero_copy_over_other_memory(monkeypatch):
     rig = Rig("emulated", "cpu", torch.float32)
-    monkeypatch.setattr(
-        WriteGraphs, "_reads_in_place", lambda self, given, padded: True
-    )
+    monkeypatch.setattr(WriteGraphs, "_reads_in_place", lambda self, given: True)
     with pytest.raises(StaticMemoryViolation):
         rig.step(16, torch.Generator().manual_seed(5), in_place=False)
 

@@ -26,7 +26,6 @@ SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 GRAPH_KEYS = dict(
     cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=SIZES
 )
-TARGET_ROWS = 64  # the target's own largest capture size
 
 
 @pytest.fixture(autouse=True)
@@ -36,13 +35,13 @@ def no_published_buffers():
     target_buffers.clear()
 
 
-def zero_copy_speculator(model_dir, dtype="float32", rows=TARGET_ROWS):
+def zero_copy_speculator(model_dir, dtype="float32", full_sizes=SIZES):
     loaded = load_speculator(
         ExtractHiddenStatesSpeculator,
         build_vllm_config(model_dir, dtype=dtype, **GRAPH_KEYS),
         num_blocks=16,
     )
-    target = attach_target_graph_outputs(loaded, rows)
+    target = attach_target_graph_outputs(loaded, full_sizes)
     loaded.speculator.init_cudagraph_manager(CUDAGraphMode.FULL)
     loaded.speculator.capture()
     return loaded, target
@@ -115,9 +114,7 @@ def test_emulator_catches_a_zero_copy_replay_of_a_stale_buffer(model_dir, monkey
     """With the address check broken, a replay over fresh tensors would read
     the target's buffers (stale data): the emulator refuses it."""
     ours, _ = zero_copy_speculator(model_dir)
-    monkeypatch.setattr(
-        WriteGraphs, "_reads_in_place", lambda self, given, padded: True
-    )
+    monkeypatch.setattr(WriteGraphs, "_reads_in_place", lambda self, given: True)
     fresh = make_step_inputs(ours, 16, torch.Generator().manual_seed(1))
     with pytest.raises(StaticMemoryViolation, match="external tensor at 0x"):
         ours.speculator.propose(**fresh.kwargs)
@@ -129,7 +126,7 @@ def test_no_zero_copy_without_published_buffers(model_dir):
         build_vllm_config(model_dir, **GRAPH_KEYS),
         num_blocks=16,
     )
-    attach_target_graph_outputs(loaded, TARGET_ROWS)
+    attach_target_graph_outputs(loaded, SIZES)
     target_buffers.clear()  # the target captured no FULL graphs
     loaded.speculator.init_cudagraph_manager(CUDAGraphMode.FULL)
     loaded.speculator.capture()
@@ -137,9 +134,72 @@ def test_no_zero_copy_without_published_buffers(model_dir):
     assert stats["zero_copy_sizes"] == [] and stats["captured_sizes"] == SIZES
 
 
-def test_zero_copy_sizes_stop_at_the_target_buffers(model_dir):
-    ours, _ = zero_copy_speculator(model_dir, rows=24)
-    assert ours.speculator.cudagraph_stats()["zero_copy_sizes"] == [1, 2, 4, 8, 16, 24]
+def test_zero_copy_sizes_are_the_targets_full_sizes(model_dir):
+    """The target's FULL sizes need not be ours: each gets a zero-copy graph,
+    whatever our copy-in sizes; a FULL size replays with no copy, any other
+    step takes the copy-in graph or runs eagerly, all writing upstream's bytes."""
+    full_sizes = [2, 6, 40, 100]
+    reference = load_speculator(
+        upstream_speculator_class(), build_vllm_config(model_dir), num_blocks=16
+    )
+    ours, target = zero_copy_speculator(model_dir, full_sizes=full_sizes)
+    stats = ours.speculator.cudagraph_stats()
+    assert stats["zero_copy_sizes"] == full_sizes and stats["captured_sizes"] == SIZES
+    steps = [  # (tokens, inputs in the target's buffers, path)
+        (100, True, "zero_copy_replays"),  # above our largest copy-in size
+        (100, False, "eager_steps"),
+        (6, True, "zero_copy_replays"),  # not one of our sizes
+        (6, False, "copy_in_replays"),  # pads to 8
+        (4, True, "copy_in_replays"),  # not a FULL size of the target
+        (40, True, "zero_copy_replays"),
+        (101, False, "eager_steps"),
+    ]
+    for seed, (n, in_place, path) in enumerate(steps):
+        before = ours.speculator.cudagraph_stats()[path]
+        ref_in = make_step_inputs(reference, n, torch.Generator().manual_seed(seed))
+        our_in = make_step_inputs(
+            ours,
+            n,
+            torch.Generator().manual_seed(seed),
+            target=target if in_place else None,
+        )
+        assert torch.equal(
+            reference.speculator.propose(**ref_in.kwargs),
+            ours.speculator.propose(**our_in.kwargs),
+        )
+        assert same_cache(reference, ours), f"{n} tokens, in place {in_place}"
+        assert ours.speculator.cudagraph_stats()[path] == before + 1, (n, in_place)
+
+
+def test_target_buffers_of_another_dtype_fall_back_to_copy_in(model_dir):
+    """A target whose aux buffers are not the cache's dtype (bf16 into an fp32
+    cache) publishes buffers the zero-copy graphs cannot read: the speculator
+    captures copy-in graphs only, and they still write upstream's bytes."""
+    reference = load_speculator(
+        upstream_speculator_class(), build_vllm_config(model_dir), num_blocks=16
+    )
+    loaded = load_speculator(
+        ExtractHiddenStatesSpeculator,
+        build_vllm_config(model_dir, **GRAPH_KEYS),
+        num_blocks=16,
+    )
+    target = attach_target_graph_outputs(loaded, SIZES)
+    assert loaded.kv_cache.dtype == torch.float32
+    target.aux_hidden_states[:] = [
+        a.to(torch.bfloat16) for a in target.aux_hidden_states
+    ]
+    assert target_buffers.get("cpu").aux_hidden_states[0].dtype == torch.bfloat16
+    loaded.speculator.init_cudagraph_manager(CUDAGraphMode.FULL)
+    loaded.speculator.capture()
+    stats = loaded.speculator.cudagraph_stats()
+    assert stats["zero_copy_sizes"] == [] and stats["captured_sizes"] == SIZES
+    for seed, n in enumerate((16, 3, 64)):
+        ref_in = make_step_inputs(reference, n, torch.Generator().manual_seed(seed))
+        our_in = make_step_inputs(loaded, n, torch.Generator().manual_seed(seed))
+        reference.speculator.propose(**ref_in.kwargs)
+        loaded.speculator.propose(**our_in.kwargs)
+        assert same_cache(reference, loaded)
+    assert loaded.speculator.cudagraph_stats()["copy_in_replays"] == 3
 
 
 def test_every_path_runs_the_connector_hooks(model_dir, monkeypatch):

@@ -1,0 +1,592 @@
+"""Graph mode through the life of an MRv2 worker, on the emulated backend.
+
+vLLM's own lifecycle functions run here: ``profile_cudagraph_memory`` (with
+its ``_init_minimal_kv_cache_for_profiling`` and ``_teardown_profiling_state``)
+and elastic EP's ``_release_cuda_graphs``, on a stand-in for the runner that
+does, for the speculator, what ``GPUModelRunner`` does. What needs a CUDA
+device is faked, and said so where it is (``without_cuda``).
+"""
+
+import gc
+import os
+import subprocess
+import sys
+import weakref
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from vllm.config import set_current_vllm_config
+from vllm.config.compilation import CUDAGraphMode
+from vllm.distributed.elastic_ep.elastic_execute import ElasticEPScalingExecutor
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends.utils import (
+    get_supported_kv_cache_layouts,
+    record_kv_cache_layout,
+    resolve_kv_cache_layout,
+)
+from vllm.v1.core.kv_cache_utils import (
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+)
+from vllm.v1.worker.gpu.cudagraph_utils import (
+    CudaGraphManager,
+    ModelCudaGraphManager,
+    profile_cudagraph_memory,
+)
+from vllm.v1.worker.gpu.input_batch import InputBuffers
+
+from cg_extract import plugin, target_buffers
+from cg_extract.config import ExtractGraphConfig
+from cg_extract.plugin import upstream_speculator_class
+from cg_extract.speculator import ExtractHiddenStatesSpeculator
+from cg_extract.testing import (
+    TargetGraphOutputs,
+    _SlotMappingsOnly,
+    build_vllm_config,
+    load_speculator,
+    make_step_inputs,
+)
+from cg_extract.vllm_graphs import SpeculatorGraphs
+
+SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+GRAPH_KEYS = dict(
+    cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=SIZES
+)
+NUM_BLOCKS = 16  # the real KV cache's; the profiler's minimal one is larger here
+# FULL_DECODE_ONLY over SIZES with 2-token decodes: round_up(size, 2).
+TARGET_FULL_SIZES = [2, 4, 8, 16, 24, 32, 48, 64]
+
+
+class FakePool:
+    """What ``graph_pool_handle()`` returns on a CUDA platform."""
+
+
+def _target_capture_without_cuda(self, create_forward_fn, progress_bar_desc):
+    """Fake of vLLM's ``CudaGraphManager.capture`` for the target: no CUDA
+    graphs here, and no target model. It walks the FULL descriptors as the
+    real one does (only ``_max_full_descs_to_capture`` of them while
+    profiling) and allocates the persistent aux buffers as
+    ``store_capture_output`` does, at the first, largest, one."""
+    descs = self._capture_descs.get(CUDAGraphMode.FULL, [])
+    if self._max_full_descs_to_capture is not None:
+        descs = descs[: self._max_full_descs_to_capture]
+    model_config = self.vllm_config.model_config
+    spec = self.vllm_config.speculative_config.draft_model_config.hf_config
+    for desc in descs:
+        if not self.aux_hidden_states:
+            self.aux_hidden_states = [
+                torch.zeros(
+                    desc.num_tokens,
+                    model_config.get_hidden_size(),
+                    dtype=model_config.dtype,
+                )
+                for _ in spec.eagle_aux_hidden_state_layer_ids
+            ]
+        self.graphs[desc] = None
+    self._graphs_captured = True
+
+
+@pytest.fixture
+def without_cuda(monkeypatch):
+    """Fakes, for CUDA only: the CPU-only torch raises on
+    ``torch.accelerator.synchronize`` / ``empty_cache`` (nothing to wait for
+    or free here), the CPU platform has no graph pools, and the target's
+    capture is :func:`_target_capture_without_cuda`."""
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    platform = type(current_platform)
+    monkeypatch.setattr(
+        platform, "graph_pool_handle", lambda self: FakePool(), raising=False
+    )
+    monkeypatch.setattr(platform, "_global_graph_pool", None)
+    monkeypatch.setattr(CudaGraphManager, "capture", _target_capture_without_cuda)
+    plugin.register()  # the capture hook that publishes the target's buffers
+    target_buffers.clear()
+    yield
+    target_buffers.clear()
+
+
+def target_compilation(cfg, mode, max_num_seqs=None):
+    """What ``resolve_cudagraph_mode_and_sizes`` leaves on a GPU for the
+    target (the CPU platform turns graphs off)."""
+    cc = cfg.compilation_config
+    cc.cudagraph_mode = mode
+    cc.cudagraph_capture_sizes = list(SIZES)
+    cc.max_cudagraph_capture_size = max(SIZES)
+    if max_num_seqs is not None:
+        cfg.scheduler_config.max_num_seqs = max_num_seqs
+
+
+class StandInRunner:
+    """What ``GPUModelRunner`` (vllm/v1/worker/gpu/model_runner.py) holds and
+    does for the speculator, for vLLM's lifecycle functions to run on: its
+    ``initialize_kv_cache`` lines that build the target's graph manager, call
+    ``set_attn`` and ``init_cudagraph_manager`` and bind the KV cache, and
+    its ``capture_model`` lines that capture the target, then the speculator.
+    No target model (its graphs need CUDA); the block tables are a stand-in
+    for ``BlockTables`` (pinned memory) holding its persistent slot rows."""
+
+    def __init__(self, loaded, mode):
+        spec = loaded.speculator
+        self.loaded = loaded
+        self.speculator = spec
+        self.mode = mode
+        self.vllm_config = loaded.vllm_config
+        self.compilation_config = self.vllm_config.compilation_config
+        self.cache_config = self.vllm_config.cache_config
+        self.max_num_reqs = self.vllm_config.scheduler_config.max_num_seqs
+        self.device = torch.device("cpu")
+        self.cudagraph_manager = None
+        self.model = torch.nn.Module()
+        self.model_state = SimpleNamespace(supports_mm_inputs=False)
+        self.lora_config = None
+        self.kv_caches = []
+        self.attn_groups = []
+        self.input_buffers = InputBuffers(
+            spec.max_num_reqs, spec.max_num_tokens, self.device
+        )
+        self.captures = []  # weak references to what each capture made
+
+    @property
+    def layer(self):
+        return self.compilation_config.static_forward_context[self.loaded.layer_name]
+
+    def get_kv_cache_spec(self):
+        return {self.loaded.layer_name: self.layer.get_kv_cache_spec(self.vllm_config)}
+
+    def get_model(self):
+        return self.model
+
+    def maybe_remove_all_loras(self, lora_config):
+        assert lora_config is None
+
+    def initialize_kv_cache(self, kv_cache_config, is_profiling=False):
+        self.kv_cache_config = kv_cache_config
+        self.block_tables = _SlotMappingsOnly(
+            torch.full(
+                (len(kv_cache_config.kv_cache_groups), self.speculator.max_num_tokens),
+                -1,
+                dtype=torch.int64,
+            )
+        )
+        self.cudagraph_manager = ModelCudaGraphManager(
+            self.vllm_config,
+            self.device,
+            self.mode,
+            decode_query_len=self.vllm_config.uniform_decode_query_len,
+        )
+        self.speculator.set_attn(
+            self.model_state,
+            kv_cache_config,
+            self.block_tables,
+            self.input_buffers,
+            self.attn_groups,
+        )
+        self.speculator.init_cudagraph_manager(self.mode)
+        layer = self.layer
+        layer.kv_cache = torch.zeros(
+            kv_cache_config.num_blocks,
+            layer.num_heads,
+            self.cache_config.block_size,
+            layer.head_size,
+            dtype=layer.kv_cache_torch_dtype,
+        )
+        self.kv_caches = [layer.kv_cache]
+        if not is_profiling:
+            self.loaded.kv_cache = layer.kv_cache
+
+    def capture_model(self, profile_only=False):
+        # What the target's capture does to the runner's persistent inputs
+        # (prepare_inputs_to_capture: get_dummy_slot_mappings, is_padding).
+        self.block_tables.slot_mappings.fill_(-1)
+        self.input_buffers.is_padding.fill_(True)
+        self.cudagraph_manager.capture(
+            self.model,
+            self.model_state,
+            self.input_buffers,
+            None,
+            self.block_tables,
+            self.attn_groups,
+            self.kv_cache_config,
+            use_aux_hidden_state_outputs=True,
+        )
+        self.speculator.capture()
+        spec, target = self.speculator, self.cudagraph_manager
+        self.captures.append(
+            {
+                "speculator graphs (vLLM's CudaGraphManager)": spec.cudagraph_manager,
+                "WriteGraphs": spec.graphs,
+                "static hidden-state buffer": spec.graphs.hidden_states,
+                "target graph manager": target,
+                "target aux buffer": target.aux_hidden_states[0],
+                "KV cache": self.layer.kv_cache,
+            }
+        )
+        self.captures[-1] = {k: weakref.ref(v) for k, v in self.captures[-1].items()}
+        return 0
+
+    def real_kv_cache_config(self):
+        """As the engine core sizes the KV cache (here: NUM_BLOCKS blocks)."""
+        groups = get_kv_cache_groups(self.vllm_config, self.get_kv_cache_spec())
+        self.cache_config.num_gpu_blocks_override = NUM_BLOCKS
+        try:
+            return get_kv_cache_config_from_groups(
+                self.vllm_config, groups, available_memory=0
+            )
+        finally:
+            self.cache_config.num_gpu_blocks_override = None
+
+    def target_outputs(self) -> TargetGraphOutputs:
+        return TargetGraphOutputs(
+            self.cudagraph_manager.aux_hidden_states,
+            TARGET_FULL_SIZES,
+            self.block_tables.slot_mappings,
+            self.input_buffers,
+        )
+
+
+def resolve_layout(cfg, runner):
+    """The engine core's step before memory profiling (v1/engine/core.py)."""
+    specs = runner.get_kv_cache_spec().values()
+    names = [layout.name for layout in get_supported_kv_cache_layouts([])]
+    record_kv_cache_layout(
+        cfg.cache_config, resolve_kv_cache_layout(cfg, [names], specs).name
+    )
+
+
+def same_cache(reference, ours):
+    # Block 0 is the null block: graph padding writes stale rows there.
+    return torch.equal(
+        reference.kv_cache[1:].view(torch.uint8), ours.kv_cache[1:].view(torch.uint8)
+    )
+
+
+def run_steps(reference, ours, target, num_steps, seed):
+    """Random steps on both: half as after a FULL replay of the target (one of
+    its sizes, inputs in its buffers), half with fresh tensors (any size).
+    Returns the paths our speculator took."""
+    gen = torch.Generator().manual_seed(seed)
+    before = Counter(ours.speculator.counts)
+    expected = Counter()
+    for step in range(num_steps):
+        target_replayed = bool(torch.randint(0, 2, (), generator=gen))
+        if target_replayed:
+            sizes = TARGET_FULL_SIZES
+            n = sizes[int(torch.randint(0, len(sizes), (), generator=gen))]
+            expected["zero_copy"] += 1
+        else:
+            n = int(torch.randint(1, 100, (), generator=gen))
+            expected["copy_in" if n <= max(SIZES) else "eager"] += 1
+        step_seed = seed * 100_000 + step
+        ref_in = make_step_inputs(
+            reference, n, torch.Generator().manual_seed(step_seed)
+        )
+        our_in = make_step_inputs(
+            ours,
+            n,
+            torch.Generator().manual_seed(step_seed),
+            target=target if target_replayed else None,
+        )
+        assert torch.equal(
+            reference.speculator.propose(**ref_in.kwargs),
+            ours.speculator.propose(**our_in.kwargs),
+        )
+        assert same_cache(reference, ours), f"step {step}: n={n}, {target_replayed=}"
+    taken = Counter(ours.speculator.counts)
+    taken.subtract(before)
+    assert +taken == expected
+    assert min(expected.values()) > 50
+    return expected
+
+
+def test_profiling_teardown_real_init_steps_elastic_release_recapture_steps(
+    model_dir, without_cuda
+):
+    reference = load_speculator(
+        upstream_speculator_class(), build_vllm_config(model_dir), num_blocks=NUM_BLOCKS
+    )
+    ours = load_speculator(
+        ExtractHiddenStatesSpeculator,
+        build_vllm_config(model_dir, **GRAPH_KEYS),
+        num_blocks=NUM_BLOCKS,
+    )
+    cfg, spec = ours.vllm_config, ours.speculator
+    target_compilation(cfg, CUDAGraphMode.FULL_DECODE_ONLY)
+    runner = StandInRunner(ours, CUDAGraphMode.FULL_DECODE_ONLY)
+    resolve_layout(cfg, runner)
+    with set_current_vllm_config(cfg):
+        # 1. Memory profiling (gpu_worker.determine_available_memory), vLLM's
+        # own function: minimal KV cache, capture_model, teardown.
+        profiling_spec_graphs = []
+        original = SpeculatorGraphs.capture
+
+        def spy(self, *args, **kwargs):
+            graphs = original(self, *args, **kwargs)
+            profiling_spec_graphs.append(
+                (graphs.captured_sizes, graphs.zero_copy_sizes)
+            )
+            return graphs
+
+        SpeculatorGraphs.capture = spy
+        try:
+            assert profile_cudagraph_memory(runner) == 0  # nothing measurable here
+        finally:
+            SpeculatorGraphs.capture = original
+        # The target captured only its two largest FULL graphs; ours were
+        # captured, and so measured, in full, zero-copy at all planned sizes.
+        assert profiling_spec_graphs == [(SIZES, TARGET_FULL_SIZES)]
+        (profiling,) = runner.captures
+        gc.collect()
+        alive = [name for name, ref in profiling.items() if ref() is not None]
+        assert alive == [], f"still referenced after the profiler's teardown: {alive}"
+        assert spec.cudagraph_manager is None and spec.graphs is None
+        assert target_buffers.get("cpu") is None
+
+        # 2. The real KV cache (gpu_worker.initialize_from_config) and capture
+        # (compile_or_warm_up_model -> capture_model).
+        runner.initialize_kv_cache(runner.real_kv_cache_config())
+        assert ours.kv_cache.shape == reference.kv_cache.shape
+        runner.capture_model()
+        assert runner.cudagraph_manager.captured_token_counts() == TARGET_FULL_SIZES
+        stats = spec.cudagraph_stats()
+        assert stats["captured_sizes"] == SIZES
+        assert stats["zero_copy_sizes"] == TARGET_FULL_SIZES
+        run_steps(reference, ours, runner.target_outputs(), 1000, seed=1)
+
+        # 3. Elastic EP scaling: vLLM's _release_cuda_graphs on a stand-in
+        # for its executor, then warm_and_capture's capture_model.
+        shell = spec.cudagraph_manager
+        released = runner.captures[-1]
+        executor = SimpleNamespace(
+            worker=SimpleNamespace(model_runner=runner, vllm_config=cfg)
+        )
+        ElasticEPScalingExecutor._release_cuda_graphs(executor)
+        gc.collect()
+        assert spec.cudagraph_manager is shell and spec.graphs is None
+        assert released["WriteGraphs"]() is None
+        assert released["static hidden-state buffer"]() is None
+        # Between release and recapture, steps run eagerly and stay correct.
+        eager_before = spec.counts["eager"]
+        for seed in range(3):
+            n = 8 + seed
+            ref_in = make_step_inputs(reference, n, torch.Generator().manual_seed(seed))
+            our_in = make_step_inputs(ours, n, torch.Generator().manual_seed(seed))
+            reference.speculator.propose(**ref_in.kwargs)
+            spec.propose(**our_in.kwargs)
+            assert same_cache(reference, ours)
+        assert spec.counts["eager"] == eager_before + 3
+        runner.capture_model()
+        assert spec.cudagraph_stats()["zero_copy_sizes"] == TARGET_FULL_SIZES
+        run_steps(reference, ours, runner.target_outputs(), 1000, seed=2)
+
+
+class AllocationLog(TorchDispatchMode):
+    """Every storage an op creates (factory ops, out-of-place results)."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, int] = {}  # data_ptr -> nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        seen = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs or {}))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen and storage.nbytes():
+                    self.storages[storage.data_ptr()] = storage.nbytes()
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+def test_init_allocates_nothing_and_capture_allocates_the_static_buffers(model_dir):
+    """vLLM measures what ``capture_model`` allocates (and reserves it while
+    profiling); ``init_cudagraph_manager`` runs in no measured window. With
+    capture sizes up to max_num_batched_tokens the static buffers are large."""
+    sizes = [1, 8, 512, 2048]
+    loaded = load_speculator(
+        ExtractHiddenStatesSpeculator,
+        build_vllm_config(
+            model_dir,
+            max_num_batched_tokens=2048,
+            cudagraph=True,
+            cudagraph_backend="emulated",
+            cudagraph_capture_sizes=sizes,
+        ),
+    )
+    spec = loaded.speculator
+    with AllocationLog() as at_init:
+        spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert isinstance(spec.cudagraph_manager, SpeculatorGraphs)
+    assert at_init.storages == {}
+    with set_current_vllm_config(loaded.vllm_config), AllocationLog() as at_capture:
+        spec.capture()
+    graphs = spec.graphs
+    layers, hidden = 3, loaded.kv_cache.shape[-1]
+    expected = 2048 * (layers * hidden * 4 + 8 + 1)  # fp32 states, int64 slots, mask
+    assert graphs.static_bytes == expected
+    static = {b.untyped_storage().data_ptr() for b in graphs.copy_in.buffers.values()}
+    assert len(static) == 3 and static <= set(at_capture.storages)
+    assert at_capture.nbytes >= expected + graphs.graph_memory_bytes
+
+
+def test_reinit_drops_the_graphs_of_the_earlier_kv_cache(model_dir):
+    loaded = load_speculator(
+        ExtractHiddenStatesSpeculator,
+        build_vllm_config(model_dir, **GRAPH_KEYS),
+        num_blocks=4,
+    )
+    spec = loaded.speculator
+    spec.init_cudagraph_manager(CUDAGraphMode.FULL)
+    spec.capture()
+    old_graphs, old_cache = weakref.ref(spec.graphs), weakref.ref(loaded.kv_cache)
+    # A new KV cache, as the runner binds one after the profiler's.
+    layer = loaded.vllm_config.compilation_config.static_forward_context[
+        loaded.layer_name
+    ]
+    layer.kv_cache = loaded.kv_cache = torch.zeros_like(loaded.kv_cache)
+    spec.init_cudagraph_manager(CUDAGraphMode.FULL)
+    gc.collect()
+    assert old_graphs() is None and old_cache() is None
+    assert spec.graphs is None
+    spec.capture()
+    assert spec.cudagraph_stats()["captured_sizes"] == SIZES
+    # Re-init without graphs drops them too.
+    spec.init_cudagraph_manager(CUDAGraphMode.NONE)
+    assert spec.cudagraph_manager is None and spec.graphs is None
+
+
+def test_a_second_capture_needs_a_release(model_dir):
+    loaded = load_speculator(
+        ExtractHiddenStatesSpeculator,
+        build_vllm_config(model_dir, **GRAPH_KEYS),
+        num_blocks=4,
+    )
+    spec = loaded.speculator
+    spec.init_cudagraph_manager(CUDAGraphMode.FULL)
+    spec.capture()
+    with pytest.raises(RuntimeError, match="already captured; release_graphs"):
+        spec.capture()
+    spec.cudagraph_manager.release_graphs()
+    spec.capture()
+    assert spec.cudagraph_stats()["captured_sizes"] == SIZES
+
+
+@pytest.mark.parametrize(
+    "mode, max_num_seqs, full_sizes",
+    [
+        # Uniform 2-token decodes: round_up(size, 2), the default mode.
+        (CUDAGraphMode.FULL_AND_PIECEWISE, 128, [2, 4, 8, 16, 24, 32, 48, 64]),
+        # ... bounded by max_num_seqs decodes of 2 tokens.
+        (CUDAGraphMode.FULL_AND_PIECEWISE, 8, [2, 4, 8, 16]),
+        (CUDAGraphMode.FULL_DECODE_ONLY, 12, [2, 4, 8, 16, 24]),
+        # FULL for mixed batches too: every capture size.
+        (CUDAGraphMode.FULL, 8, SIZES),
+    ],
+)
+def test_zero_copy_sizes_are_the_targets_planned_full_sizes(
+    model_dir, without_cuda, mode, max_num_seqs, full_sizes
+):
+    """vLLM's own planner (ModelCudaGraphManager) decides the target's FULL
+    sizes; ours get exactly those, whatever our copy-in sizes."""
+    loaded = load_speculator(
+        ExtractHiddenStatesSpeculator,
+        build_vllm_config(model_dir, **GRAPH_KEYS),
+        num_blocks=4,
+    )
+    cfg, spec = loaded.vllm_config, loaded.speculator
+    target_compilation(cfg, mode, max_num_seqs)
+    runner = StandInRunner(loaded, mode)
+    resolve_layout(cfg, runner)
+    with set_current_vllm_config(cfg):
+        runner.initialize_kv_cache(runner.real_kv_cache_config())
+        target = runner.cudagraph_manager
+        # What the plugin's hook does after the target's capture (tested with
+        # the hook itself in tests/test_plugin.py and in the lifecycle walk).
+        target.aux_hidden_states = [
+            torch.zeros(max(full_sizes), loaded.kv_cache.shape[-1]) for _ in range(3)
+        ]
+        target_buffers.publish("cpu", target, plugin.planned_full_sizes(target))
+        spec.capture()
+    stats = spec.cudagraph_stats()
+    assert stats["zero_copy_sizes"] == full_sizes and stats["captured_sizes"] == SIZES
+
+
+def test_info_lines_show_under_vllms_default_logging(model_dir):
+    """A plain ``python -c``: vLLM configures only its ``vllm`` logger tree,
+    so our INFO lines must sit under it to be printed."""
+    code = f"""
+from pathlib import Path
+from vllm.config import set_current_vllm_config
+from vllm.config.compilation import CUDAGraphMode
+from cg_extract.speculator import ExtractHiddenStatesSpeculator
+from cg_extract.testing import build_vllm_config, load_speculator
+model = Path({str(model_dir)!r})
+keys = dict(cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=[1, 2])
+eager = load_speculator(ExtractHiddenStatesSpeculator, build_vllm_config(model, **keys))
+eager.speculator.init_cudagraph_manager(CUDAGraphMode.NONE)
+graphs = load_speculator(ExtractHiddenStatesSpeculator, build_vllm_config(model, **keys))
+graphs.speculator.init_cudagraph_manager(CUDAGraphMode.FULL)
+with set_current_vllm_config(graphs.vllm_config):
+    graphs.speculator.capture()
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    env.pop("VLLM_CONFIGURE_LOGGING", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    printed = out.stdout + out.stderr
+    assert (
+        "INFO" in printed
+        and "extract_hidden_states runs eagerly: the runner's cudagraph_mode is NONE"
+        in printed
+    ), printed
+    assert (
+        "extract_hidden_states: captured emulated graphs for [1, 2] tokens" in printed
+    )
+
+
+@pytest.mark.parametrize(
+    "dbo, ubatch_size, dp, refused",
+    [(True, 0, 2, True), (False, 2, 2, True), (True, 0, 1, False)],
+)
+def test_micro_batching_is_refused_at_config_time(
+    model_dir, dbo, ubatch_size, dp, refused
+):
+    cfg = build_vllm_config(model_dir)
+    # The CPU platform turns DBO off when the config is built; a GPU keeps it.
+    pc = cfg.parallel_config
+    pc.enable_dbo, pc.data_parallel_size = dbo, dp
+    if ubatch_size:
+        pc.ubatch_size = ubatch_size
+    check = ExtractGraphConfig.from_vllm_config(cfg).validate_for
+    if not refused:  # no micro-batching without DP in MRv2
+        check(cfg, cuda_available=False)
+        return
+    with pytest.raises(ValueError, match="cannot run with micro-batching.*enable_dbo"):
+        check(cfg, cuda_available=False)
+    with pytest.raises(ValueError, match="no slot mappings"):
+        load_speculator(ExtractHiddenStatesSpeculator, cfg)  # a worker re-checks
