@@ -24,6 +24,9 @@ One step, from ``propose`` to the KV cache:
    straight to ``kv_cache[slot // block_size, layer, slot % block_size]``
    (slot -1 lands in the null block 0, as in vLLM's cache-only layer), then
    the layer's KV-connector hooks run as vLLM's layer runs them.
+
+The graphs' life in the worker (memory profiling, re-initialisation,
+elastic EP release and recapture) is :mod:`cg_extract.vllm_graphs`'s.
 """
 
 from __future__ import annotations
@@ -264,7 +267,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         kv_cache = self.cache_layer.kv_cache
         why = None
         if target is None or not target.full_sizes:
-            why = "the target captured no FULL graphs with aux hidden states"
+            why = "the target has no FULL graphs with aux hidden states"
         elif block_tables is None or input_buffers is None:
             why = "the runner has not shared its block tables"
         elif len(target.aux_hidden_states) != self.num_hidden_states or any(
@@ -284,8 +287,17 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             block_tables.slot_mappings[group],
             input_buffers.is_padding,
         )
-        # vLLM sizes its buffers at its largest FULL graph: all fit.
-        return persistent, [s for s in target.full_sizes if s <= persistent.rows]
+        # vLLM sizes its buffers for its largest FULL graph, so all fit;
+        # should one not, that size takes the copy-in path.
+        sizes = [s for s in target.full_sizes if s <= persistent.rows]
+        if len(sizes) < len(target.full_sizes):
+            logger.info_once(
+                "extract_hidden_states: no zero-copy graphs for the target's FULL "
+                "sizes above its %d buffer rows: %s.",
+                persistent.rows,
+                [s for s in target.full_sizes if s > persistent.rows],
+            )
+        return persistent, sizes
 
     def cudagraph_stats(self) -> dict[str, Any]:
         graphs = self.graphs

@@ -148,14 +148,21 @@ class WriteGraphs:
     def capture(
         self,
         persistent: GraphInputs | None = None,
-        zero_copy_sizes: Sequence[int] = (),
+        zero_copy_sizes: Sequence[int] | None = None,
         progress: bool = True,
         desc: str = "Capturing hidden-state write graphs",
     ) -> None:
         """Copy-in graphs for every capture size, then, over ``persistent``,
-        zero-copy graphs for exactly ``zero_copy_sizes``."""
+        zero-copy graphs for exactly ``zero_copy_sizes`` (None: the capture
+        sizes that fit its rows, for callers whose buffers follow them)."""
         self._capture(self.copy_in, self._copy_in_inputs, progress, f"{desc} (copy-in)")
-        if persistent is None or not zero_copy_sizes:
+        if persistent is None:
+            return
+        if zero_copy_sizes is None:
+            zero_copy_sizes = [
+                s for s in self.copy_in.capture_sizes.sizes if s <= persistent.rows
+            ]
+        if not zero_copy_sizes:
             return
         too_big = [s for s in zero_copy_sizes if s > persistent.rows]
         if too_big:

@@ -40,9 +40,7 @@ class Rig:
             SIZES, self.device, backend, LAYERS, HIDDEN, dtype,
             write=lambda aux, slots, is_padding: write_per_layer(aux, self.cache, slots),
         )  # fmt: skip
-        self.graphs.capture(
-            self.persistent if zero_copy else None, SIZES.sizes, progress=False
-        )
+        self.graphs.capture(self.persistent if zero_copy else None, progress=False)
 
     def inputs(self, n, gen, in_place):
         slots = torch.randperm((BLOCKS - 1) * BLOCK, generator=gen)[:n] + BLOCK
