@@ -53,6 +53,7 @@ from cg_extract.testing import (
     build_vllm_config,
     load_speculator,
     make_step_inputs,
+    propose_same_step,
 )
 from cg_extract.vllm_graphs import SpeculatorGraphs
 
@@ -164,6 +165,11 @@ class StandInRunner:
 
     def get_model(self):
         return self.model
+
+    def needs_cudagraph_capture(self):  # vLLM 0.33's profiler asks
+        return self.cudagraph_manager is not None and (
+            self.cudagraph_manager.needs_capture()
+        )
 
     def maybe_remove_all_loras(self, lora_config):
         assert lora_config is None
@@ -590,3 +596,51 @@ def test_micro_batching_is_refused_at_config_time(
         check(cfg, cuda_available=False)
     with pytest.raises(ValueError, match="no slot mappings"):
         load_speculator(ExtractHiddenStatesSpeculator, cfg)  # a worker re-checks
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_through_vllms_capture_path(model_dir):
+    """On a GPU: capture inside ``graph_capture``, each graph inside
+    ``capture_pool`` on vLLM's stream, into the global pool; replays write
+    upstream's bytes; release and recapture work; dropping the manager, as the
+    profiler does, frees the static buffers."""
+    keys = dict(cudagraph=True, cudagraph_backend="cuda", cudagraph_capture_sizes=SIZES)
+    reference = load_speculator(
+        upstream_speculator_class(),
+        build_vllm_config(model_dir),
+        device="cuda",
+        num_blocks=NUM_BLOCKS,
+    )
+    ours = load_speculator(
+        ExtractHiddenStatesSpeculator,
+        build_vllm_config(model_dir, **keys),
+        device="cuda",
+        num_blocks=NUM_BLOCKS,
+    )
+    spec = ours.speculator
+
+    def steps(seed):
+        gen = torch.Generator().manual_seed(seed)
+        for step in range(300):
+            n = int(torch.randint(1, 100, (), generator=gen))
+            (ref, _), (got, _) = propose_same_step([reference, ours], n, seed + step)
+            assert torch.equal(ref, got)
+            assert same_cache(reference, ours), f"step {step}, {n} tokens"
+
+    with set_current_vllm_config(ours.vllm_config):
+        spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+        spec.capture()
+        assert spec.cudagraph_manager.pool is current_platform.get_global_graph_pool()
+        assert spec.graphs.static_bytes > 0
+        steps(0)
+        replays = spec.cudagraph_stats()["copy_in_replays"]
+        assert replays > 100
+        spec.cudagraph_manager.release_graphs()
+        spec.capture()
+        steps(1000)
+        assert spec.cudagraph_stats()["copy_in_replays"] > 2 * replays - 50
+        static = weakref.ref(spec.graphs.hidden_states)
+        spec.cudagraph_manager = None  # profile_cudagraph_memory's teardown
+        gc.collect()
+        assert static() is None
