@@ -314,7 +314,7 @@ def run_steps(reference, ours, target, num_steps, seed):
 
 
 def test_profiling_teardown_real_init_steps_elastic_release_recapture_steps(
-    model_dir, without_cuda
+    model_dir, without_cuda, monkeypatch
 ):
     reference = load_speculator(
         upstream_speculator_class(), build_vllm_config(model_dir), num_blocks=NUM_BLOCKS
@@ -331,24 +331,23 @@ def test_profiling_teardown_real_init_steps_elastic_release_recapture_steps(
     with set_current_vllm_config(cfg):
         # 1. Memory profiling (gpu_worker.determine_available_memory), vLLM's
         # own function: minimal KV cache, capture_model, teardown.
-        profiling_spec_graphs = []
+        profiling_captures = []
         original = SpeculatorGraphs.capture
 
         def spy(self, *args, **kwargs):
             graphs = original(self, *args, **kwargs)
-            profiling_spec_graphs.append(
-                (graphs.captured_sizes, graphs.zero_copy_sizes)
+            target = runner.cudagraph_manager.captured_token_counts()
+            profiling_captures.append(
+                (target, graphs.captured_sizes, graphs.zero_copy_sizes)
             )
             return graphs
 
-        SpeculatorGraphs.capture = spy
-        try:
-            assert profile_cudagraph_memory(runner) == 0  # nothing measurable here
-        finally:
-            SpeculatorGraphs.capture = original
+        monkeypatch.setattr(SpeculatorGraphs, "capture", spy)
+        assert profile_cudagraph_memory(runner) == 0  # nothing measurable here
+        monkeypatch.setattr(SpeculatorGraphs, "capture", original)
         # The target captured only its two largest FULL graphs; ours were
         # captured, and so measured, in full, zero-copy at all planned sizes.
-        assert profiling_spec_graphs == [(SIZES, TARGET_FULL_SIZES)]
+        assert profiling_captures == [([48, 64], SIZES, TARGET_FULL_SIZES)]
         (profiling,) = runner.captures
         gc.collect()
         alive = [name for name, ref in profiling.items() if ref() is not None]
