@@ -1,27 +1,16 @@
 """Gate a sweep CSV; exit 1 when it regresses.
 
-    python perf/gate.py --current out/ci_gate/sweep.csv --baseline perf/baselines/cpu.csv \\
+    python perf/gate.py --current out/ci_gate/sweep.csv --baseline perf/baselines/cpu.csv \
         --machine-baselines perf/baselines/cpu [--update]
 
-What is checked is data: ``rules.csv`` next to ``--baseline`` (``--rules`` to
-override). Each rule selects rows by mode and token count and says what its
-metric is checked against (``where``):
-
-* ``run``: the current run alone (correctness, machine-independent floors);
-* ``baseline``: any baseline of the same device kind (deterministic counts);
-* ``same_machine``: a baseline from the same machine model (the CPU's vendor,
-  family, model and stepping, or the GPU name): timing ratios;
-* ``same_gpu``: a baseline from the same GPU model: absolute timings.
-
-With ``--machine-baselines DIR`` the baseline is ``DIR/<machine>.csv`` when
-one exists for the current run's machine, else ``--baseline`` (the
-reference); ``--update`` writes ``DIR/<machine>.csv``. The output says which
-baseline was used and what was compared.
-
-Exit status: 0 pass, 1 regression (a failed rule, or a baseline row missing
-from the current run), 2 refused: one line on stderr naming the file and the
-problem (unreadable or empty CSV, bad rows, bad rules, runs that measured
-different things).
+The checks are data (``rules.csv`` next to ``--baseline``): each selects rows
+by mode and token count and checks its metric on the current run alone
+(``run``), against any baseline (``baseline``), or against a baseline from
+the same machine model (``same_machine``) or GPU (``same_gpu``). The baseline
+is ``--machine-baselines``/<machine>.csv when there is one, else the reference
+``--baseline``; the output says which. perf/README.md ("The gate") explains
+the rules. Exit 0 pass, 1 regression, 2 refused (one line on stderr naming
+the file and the problem).
 """
 
 from __future__ import annotations
@@ -92,7 +81,8 @@ def load_rules(path: Path) -> list[Rule]:
             raise Refused(f"{at}: where {r['where']!r} is not one of {WHERE}")
         if r["direction"] not in DIRECTIONS:
             raise Refused(f"{at}: direction {r['direction']!r} not one of {DIRECTIONS}")
-        limit = _number(r["limit"]) if r["limit"] or r["direction"] != "true" else 0
+        limit = 0 if r["direction"] == "true" and not r["limit"] else r["limit"]
+        limit = float(pd.to_numeric(limit, errors="coerce"))
         if not limit >= 0 or math.isinf(limit):
             raise Refused(f"{at}: limit {r['limit']!r} is not a number >= 0")
         low, high = _token_range(r["tokens"], at)
@@ -111,13 +101,6 @@ def _token_range(text: str, at: str) -> tuple[int, float]:
         return int(low), (int(high) if high else math.inf) if dash else int(low)
     except ValueError:
         raise Refused(f"{at}: tokens {text!r} is not *, N, N- or N-M") from None
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        return math.nan
 
 
 def load_sweep(path: Path, role: str) -> pd.DataFrame:
@@ -328,12 +311,7 @@ def render(comparison: Comparison, against: str = "") -> str:
         f"gate: {'PASS' if comparison.passed else 'FAIL'}: {len(shown)} checks, "
         f"{comparison.count('FAIL')} failed, {comparison.count('better')} better, "
         f"{len(comparison.missing)} baseline rows missing, {len(comparison.new)} new"
-        + (
-            f" ({against}{'; ' if comparison.skipped else ''}"
-            f"{', '.join(comparison.skipped)} rules not applied)"
-            if against
-            else ""
-        )
+        + (f"; {against}" if against else "")
     )
     return "\n".join(out)
 
@@ -356,29 +334,17 @@ def _fmt_key(key: tuple) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="perf/gate.py",
-        description=__doc__.split("\n\n")[0],
-        epilog="The module docstring and perf/README.md describe the rules.",
+        prog="perf/gate.py", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--current", type=Path, required=True, help="the sweep CSV to gate")
-    p.add_argument(
-        "--baseline",
-        type=Path,
-        required=True,
-        help="the reference baseline (used when --machine-baselines has none for "
-        "this machine)",
-    )
-    p.add_argument(
-        "--machine-baselines",
-        type=Path,
-        help="folder of per-machine baselines, <machine>.csv",
-    )
+    p.add_argument("--baseline", type=Path, required=True, help="the reference")
+    p.add_argument("--machine-baselines", type=Path, help="folder of <machine>.csv")
     p.add_argument("--rules", type=Path, help="default: rules.csv next to --baseline")
     p.add_argument(
         "--update",
         action="store_true",
-        help="print the comparison, then make the current run this machine's "
-        "baseline (--baseline without --machine-baselines)",
+        help="print the comparison, then make the current run the baseline "
+        "(<machine>.csv with --machine-baselines, else --baseline)",
     )
     return p
 
@@ -399,7 +365,12 @@ def gate(args: argparse.Namespace) -> int:
         return update(args, cur, target)
     base = load_sweep(base_path, "baseline")
     rules = load_rules(args.rules or args.baseline.parent / "rules.csv")
-    comparison = compare(base, cur, rules)
+    try:
+        comparison = compare(base, cur, rules)
+    except Refused as why:
+        raise Refused(
+            f"baseline {base_path}, current run {args.current}: {why}"
+        ) from None
     print(note)
     print(render(comparison, f"baseline {base_path}"))
     return PASS if comparison.passed else FAIL
