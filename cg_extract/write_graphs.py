@@ -110,8 +110,27 @@ class WriteGraphs:
         return sum(g.capture_time_s for g in self._managers())
 
     @property
+    def capture_times_s(self) -> dict[str, dict[int, float]]:
+        """Seconds per size (warm-up and capture), by graph set."""
+        times = {"copy_in": self.copy_in.capture_times_s}
+        if self.zero_copy is not None:
+            times["zero_copy"] = self.zero_copy.capture_times_s
+        return times
+
+    @property
     def graph_memory_bytes(self) -> int:
         return sum(g.graph_memory_bytes for g in self._managers())
+
+    def summary(self) -> dict[str, Any]:
+        """What capture cost, for reports: sizes, seconds, bytes."""
+        return {
+            "backend": self.copy_in.backend,
+            "captured_sizes": self.captured_sizes,
+            "zero_copy_sizes": self.zero_copy_sizes,
+            "capture_time_s": self.capture_time_s,
+            "capture_times_s": self.capture_times_s,
+            "graph_memory_bytes": self.graph_memory_bytes,
+        }
 
     def _managers(self) -> list[CudaGraphManager]:
         return [g for g in (self.copy_in, self.zero_copy) if g is not None]

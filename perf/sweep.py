@@ -479,6 +479,11 @@ def bit_exact(engine: Engine, runner: Runner, inputs: Any, received: Any) -> boo
     return caches_equal(runner.kv_cache, reference.kv_cache) and torch.equal(got, want)
 
 
+def graph_summaries(engine: Engine) -> dict[str, Any]:
+    summaries = {mode: r.graph_summary() for mode, r in engine.runners.items()}
+    return {mode: s for mode, s in summaries.items() if s is not None}
+
+
 def build_engine(name: str, args: argparse.Namespace) -> Engine:
     engine = engine_module(name).ENGINE(make_params(args))
     with graph_steps_kept():
@@ -535,6 +540,7 @@ def _run(args: argparse.Namespace) -> int:
         "skipped_modes": {},
         "copy_bandwidth_gbps": copy_bw / 1e9,
         "op_lists": {},
+        "graphs": {},  # capture time and graph memory, per engine and mode
     }
     rows: list[dict[str, Any]] = []
     sampler = start_sampler(device, args.nvml_interval)
@@ -557,6 +563,7 @@ def _run(args: argparse.Namespace) -> int:
                 engine_module("vllm").run(args, sampler, emit)
             else:
                 notes["skipped_modes"][name] = engine.skipped
+                notes["graphs"][name] = graph_summaries(engine)
                 if engine.runners:
                     measure_engine(engine, settings, sampler, notes["op_lists"], emit)
             del engine  # free its caches before the next engine

@@ -515,6 +515,28 @@ def test_kernel_sweep_on_cuda(tmp_path):
     assert (frame["p50_us"] > 0).all()
     launches = graph.loc[[3, 16], "launches_per_step"]
     assert ((launches > 0) & (launches < 10)).all(), launches
+    captured = json.loads(out.with_suffix(".meta.json").read_text())["graphs"]
+    assert captured["kernel"]["graph"]["graph_memory_bytes"] > 0
+    assert captured["kernel"]["graph"]["capture_time_s"] > 0
+
+
+def test_graph_capture_cost_goes_to_the_meta_json():
+    """Emulated here: the summary the sweep writes for every graph mode."""
+    engine = KernelEngine(params(), graph_backend="emulated")
+    with graph_steps_kept():
+        engine.build(["upstream", "eager", "graph", "graph_copy_in"])
+    summaries = sweep.graph_summaries(engine)
+    assert set(summaries) == {"graph", "graph_copy_in"}
+    graph, copy_in = summaries["graph"], summaries["graph_copy_in"]
+    assert set(graph["capture_times_s"]) == {"copy_in", "zero_copy"}
+    assert set(copy_in["capture_times_s"]) == {"copy_in"}
+    for summary in summaries.values():
+        per_size = summary["capture_times_s"]["copy_in"]
+        assert sorted(per_size) == list(params().capture_sizes)
+        assert all(t > 0 for t in per_size.values())
+        assert summary["capture_time_s"] >= sum(per_size.values())
+    assert graph["zero_copy_sizes"] == list(params().capture_sizes)
+    json.dumps(summaries)  # what report.write stores
 
 
 def test_emulated_counts_show_a_zero_copy_step(capsys):
