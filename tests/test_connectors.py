@@ -1,6 +1,7 @@
 """KV connectors in graph mode get the eager layer's hooks, exactly.
 
-The connectors are created as a GPU worker creates them: vLLM's
+The connectors are created as a GPU worker creates them
+(``cg_extract.testing.worker_connector``): vLLM's
 ``ensure_kv_transfer_initialized`` (a one-process gloo group stands in for the
 worker's distributed setup), wrapped in MRv2's ``ActiveKVConnector``, which
 binds each step's metadata (built by the scheduler-side connector) before the
@@ -13,9 +14,6 @@ import pytest
 
 pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
 
-import contextlib
-import socket
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +29,8 @@ from cg_extract.testing import (
     build_vllm_config,
     load_speculator,
     make_step_inputs,
+    single_process_group,
+    worker_connector,
 )
 from tests import recording_connectors
 from tests.recording_connectors import CALLS, HookFailed, HookInGraphWork
@@ -80,28 +80,8 @@ def hidden_states_subclass(path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def distributed(model_dir):
-    """A one-process gloo group: the connectors read TP ranks."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    if torch.distributed.is_initialized():
+    with single_process_group(build_vllm_config(model_dir)):
         yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ps.init_distributed_environment(
-        world_size=1,
-        rank=0,
-        local_rank=0,
-        distributed_init_method=f"tcp://127.0.0.1:{port}",
-        backend="gloo",
-    )
-    with set_current_vllm_config(build_vllm_config(model_dir)):
-        ps.ensure_model_parallel_initialized(1, 1)
-    yield
-    ps.destroy_model_parallel()
-    ps.destroy_distributed_environment()
 
 
 @pytest.fixture(autouse=True)
@@ -126,51 +106,6 @@ def flag_graph_work(monkeypatch):
     yield
     target_buffers.clear()
     CALLS.clear()
-
-
-@dataclass
-class Connectors:
-    scheduler: Any  # the scheduler-side connector: builds each step's metadata
-    worker: Any  # MRv2's ActiveKVConnector around the worker-side connector
-
-    def bind(self) -> None:
-        from vllm.v1.core.sched.output import SchedulerOutput
-
-        scheduler_output = SchedulerOutput.make_empty()
-        scheduler_output.kv_connector_metadata = self.scheduler.build_connector_meta(
-            scheduler_output
-        )
-        self.worker.pre_forward(scheduler_output)
-
-    def step(self, loaded, inputs) -> torch.Tensor:
-        self.bind()
-        try:
-            return loaded.speculator.propose(**inputs.kwargs)
-        finally:
-            self.worker.post_forward(set())
-
-
-@contextlib.contextmanager
-def worker_connector(loaded):
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_transfer_state import (
-        ensure_kv_transfer_initialized,
-        ensure_kv_transfer_shutdown,
-    )
-    from vllm.v1.worker.gpu.kv_connector import get_kv_connector
-
-    cfg, kv_cache_config = loaded.vllm_config, loaded.speculator.kv_cache_config
-    ensure_kv_transfer_initialized(cfg, kv_cache_config)
-    try:
-        yield Connectors(
-            KVConnectorFactory.create_connector(
-                cfg, KVConnectorRole.SCHEDULER, kv_cache_config
-            ),
-            get_kv_connector(cfg, {loaded.layer_name: loaded.kv_cache}),
-        )
-    finally:
-        ensure_kv_transfer_shutdown()
 
 
 def graph_speculator(model_dir, kv, dtype="float32", capture=True):
