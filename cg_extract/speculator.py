@@ -154,11 +154,12 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         is_padding: torch.Tensor,
         dp_sync_state: DPSyncState | None,
     ):
-        """The forward context vLLM's eager speculator gives the draft layer."""
+        """The forward context vLLM's eager speculator gives the draft layer
+        for ``len(is_padding)`` tokens."""
         return set_forward_context(
             {self.layer_name: attn_metadata[self.layer_name]},
             self.vllm_config,
-            num_tokens=len(slots),
+            num_tokens=len(is_padding),
             num_tokens_across_dp=dp_sync_state and dp_sync_state.num_tokens_across_dp,
             cudagraph_runtime_mode=CUDAGraphMode.NONE,
             slot_mapping={self.layer_name: slots},
