@@ -49,6 +49,20 @@ def cli_config(model_dir, parser_owner, spec, *more_argv):
     return parser_owner.from_cli_args(parser.parse_args(argv)).create_engine_config()
 
 
+def run_python(code: str, vllm_plugins: str | None) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, with VLLM_PLUGINS set (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    if vllm_plugins is not None:
+        env["VLLM_PLUGINS"] = vllm_plugins
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def test_entry_point_is_declared():
     (ep,) = [
         ep
@@ -162,16 +176,7 @@ def test_the_way_out_of_the_version_refusal_works(plugins):
         "load_general_plugins()\n"
         "print('vllm plugins loaded')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-    if plugins is not None:
-        env["VLLM_PLUGINS"] = plugins
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python(code, plugins)
     if plugins is None:
         assert proc.returncode != 0
         assert "set VLLM_PLUGINS" in proc.stderr, proc.stderr[-2000:]
@@ -372,14 +377,7 @@ def test_stock_vllm_rejects_the_key_without_the_plugin(model_dir):
         " dtype='float32', speculative_config={'method': 'extract_hidden_states',"
         " 'num_speculative_tokens': 1, 'cudagraph': True}).create_engine_config()\n"
     )
-    env = {**os.environ, "VLLM_PLUGINS": "none_of_them"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python(code, "none_of_them")
     assert proc.returncode != 0
     assert (
         "cudagraph" in proc.stderr and "Unexpected keyword argument" in proc.stderr
