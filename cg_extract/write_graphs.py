@@ -12,9 +12,9 @@ Two sets of graphs over the same capture sizes, both replaying the caller's
   when they are the captured views, only replays. Anything else (other
   memory, another stride, a size that needs padding) takes the copy-in graph.
 
-No vLLM here: the speculator supplies a ``write`` that adds vLLM's forward
-context and connector hooks, the ``kernel`` sweep and the GPU tests supply
-:func:`cg_extract.cache_write.write_per_layer`.
+No vLLM here, and only device work in ``write``: the speculator runs vLLM's
+connector hooks on the host after a replay; the ``kernel`` sweep and the GPU
+tests supply :func:`cg_extract.cache_write.write_per_layer`.
 """
 
 from __future__ import annotations
