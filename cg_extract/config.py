@@ -3,7 +3,8 @@
 vLLM's ``SpeculativeConfig`` forbids unknown keys, so the plugin takes ours out
 of the user's dict before vLLM sees it and stores them under
 ``VllmConfig.additional_config["cg_extract"]``, a plain dict that is pickled to
-every worker with the rest of the config.
+every worker with the rest of the config. Keys may also be given there
+directly; a key given in both places must have the same value.
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ from typing import Any
 METHOD = "extract_hidden_states"
 ADDITIONAL_CONFIG_KEY = "cg_extract"
 BACKENDS = ("auto", "cuda", "emulated")
-
-# KV connectors that read hidden states from the cache after a request
-# finishes and do nothing per forward (their ``save_kv_layer`` is a no-op), so
-# a graph replay, which skips Python, loses nothing. Others may do their work
-# in ``save_kv_layer`` and are refused in graph mode.
-GRAPH_SAFE_CONNECTORS = ("ExampleHiddenStatesConnector",)
+# Where a key was given, as error messages name it.
+SPECULATIVE_CONFIG = "speculative config"
+ADDITIONAL_CONFIG = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
 
 
 def _is_bool(value: Any) -> bool:
@@ -35,35 +33,35 @@ class ExtractGraphConfig:
     cudagraph_backend: str = "auto"
 
     @classmethod
-    def from_dict(cls, options: Mapping[str, Any]) -> ExtractGraphConfig:
-        """Validate user-supplied keys; every error names the key and value."""
+    def from_dict(
+        cls, options: Mapping[str, Any], where: str = SPECULATIVE_CONFIG
+    ) -> ExtractGraphConfig:
+        """Validate user-supplied keys; every error names where the key was
+        given, the key and the value."""
         unknown = sorted(set(options) - set(KEYS))
         if unknown:
-            raise ValueError(
-                f"unknown cg_extract key(s) {unknown}; accepted: {list(KEYS)}"
-            )
+            raise ValueError(_unknown_key_message(unknown, where))
         cudagraph = options.get("cudagraph", False)
         if not _is_bool(cudagraph):
             raise ValueError(
-                f"speculative config key 'cudagraph' must be true or false, "
+                f"{where} key 'cudagraph' must be true or false, "
                 f"got {cudagraph!r} ({type(cudagraph).__name__})"
             )
         backend = options.get("cudagraph_backend", "auto")
         if backend not in BACKENDS:
             raise ValueError(
-                f"speculative config key 'cudagraph_backend' must be one of "
+                f"{where} key 'cudagraph_backend' must be one of "
                 f"{list(BACKENDS)}, got {backend!r}"
             )
         sizes = options.get("cudagraph_capture_sizes")
         if sizes is not None:
-            sizes = _validate_sizes(sizes)
+            sizes = _validate_sizes(sizes, where)
         return cls(cudagraph, sizes, backend)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> ExtractGraphConfig:
         """Our keys as they reached this process (defaults when absent)."""
-        additional = getattr(vllm_config, "additional_config", None) or {}
-        return cls.from_dict(additional.get(ADDITIONAL_CONFIG_KEY, {}))
+        return cls.from_dict(_given(vllm_config) or {}, ADDITIONAL_CONFIG)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -71,30 +69,52 @@ class ExtractGraphConfig:
             d["cudagraph_capture_sizes"] = list(self.cudagraph_capture_sizes)
         return d
 
-    def validate_for(self, vllm_config: Any, cuda_available: bool) -> None:
-        """Checks that need the whole engine config; run when it is built."""
+    def validate_for(
+        self,
+        vllm_config: Any,
+        cuda_available: bool,
+        sources: Mapping[str, str] | None = None,
+    ) -> None:
+        """Checks that need the whole engine config; run when it is built.
+
+        ``sources`` says where each key was given (the speculative config
+        unless named), for the messages.
+        """
+        sources = sources or {}
+
+        def key(name: str) -> str:
+            return f"{sources.get(name, SPECULATIVE_CONFIG)} key {name!r}"
+
         spec = vllm_config.speculative_config
         method = spec.method if spec is not None else None
-        if self != ExtractGraphConfig() and method != METHOD:
+        given = _given(vllm_config) is not None
+        if given and method != METHOD:
+            keys = ", ".join(key(k) for k in sorted(sources or self.to_dict()))
             raise ValueError(
-                f"speculative config keys {sorted(self.to_dict())} apply only to "
-                f"method '{METHOD}', got method {method!r}"
+                f"{keys}: cg_extract keys apply only to method '{METHOD}', got "
+                f"method {method!r}"
+            )
+        if given and spec.num_speculative_tokens != 1:
+            raise ValueError(
+                f"speculative config key 'num_speculative_tokens' must be 1 with "
+                f"method '{METHOD}' (it stores hidden states and proposes one "
+                f"token, always accepted), got {spec.num_speculative_tokens}"
             )
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         too_big = [s for s in self.cudagraph_capture_sizes or () if s > max_tokens]
         if too_big:
             raise ValueError(
-                f"speculative config key 'cudagraph_capture_sizes' has {too_big} "
-                f"above max_num_batched_tokens={max_tokens}; use sizes <= "
-                f"{max_tokens} or raise --max-num-batched-tokens"
+                f"{key('cudagraph_capture_sizes')} has {too_big} above "
+                f"max_num_batched_tokens={max_tokens}; use sizes <= {max_tokens} "
+                "or raise --max-num-batched-tokens"
             )
         if method == METHOD:
             _refuse_micro_batching(vllm_config.parallel_config)
         if self.cudagraph_backend == "cuda" and not cuda_available:
             raise ValueError(
-                "speculative config key 'cudagraph_backend' is 'cuda' but this "
-                "machine has no CUDA device; use 'auto' (graphs where CUDA "
-                "exists) or 'emulated' (the CPU check of the graph contract)"
+                f"{key('cudagraph_backend')} is 'cuda' but this machine has no "
+                "CUDA device; use 'auto' (graphs where CUDA exists) or "
+                "'emulated' (the CPU check of the graph contract)"
             )
         if not self.cudagraph:
             return
@@ -104,19 +124,6 @@ class ExtractGraphConfig:
                 f"'cudagraph': true with method '{METHOD}' does not support "
                 f"pipeline parallelism (pipeline_parallel_size={pp}); use "
                 "pipeline_parallel_size=1"
-            )
-        unsafe = [
-            c
-            for c in _connector_names(vllm_config.kv_transfer_config)
-            if c not in GRAPH_SAFE_CONNECTORS
-        ]
-        if unsafe:
-            raise ValueError(
-                f"'cudagraph': true cannot run with KV connector {unsafe[0]!r}: "
-                "a graph replay skips the connector's per-forward save_kv_layer, "
-                "which would lose hidden states. Graph mode runs with no "
-                f"connector or with {list(GRAPH_SAFE_CONNECTORS)}; otherwise set "
-                "'cudagraph': false"
             )
 
 
@@ -138,34 +145,62 @@ def _refuse_micro_batching(parallel_config: Any) -> None:
         )
 
 
-def _connector_names(kv_transfer_config: Any) -> list[str]:
-    """The configured connectors; a MultiConnector stands for its children."""
-    if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
-        return []
-    if kv_transfer_config.kv_connector == "MultiConnector":
-        children = kv_transfer_config.kv_connector_extra_config.get("connectors", [])
-        return [child.get("kv_connector") for child in children]
-    return [kv_transfer_config.kv_connector]
+def _given(vllm_config: Any) -> Mapping[str, Any] | None:
+    """Our keys in the config, or None where none were given."""
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    return additional.get(ADDITIONAL_CONFIG_KEY)
 
 
-def _validate_sizes(sizes: Any) -> tuple[int, ...]:
-    key = "cudagraph_capture_sizes"
+def merge_our_keys(
+    from_spec: Mapping[str, Any], direct: Any
+) -> tuple[ExtractGraphConfig, dict[str, str]]:
+    """Our keys from the speculative config and from
+    ``additional_config["cg_extract"]`` (``direct``, None when absent), each
+    validated where it was given. A key in both must have the same value.
+
+    Returns the config and where each given key came from.
+    """
+    if direct is None:
+        direct = {}
+    if not isinstance(direct, Mapping):
+        raise ValueError(
+            f"{ADDITIONAL_CONFIG} must be a dict of cg_extract keys "
+            f"{list(KEYS)}, got {direct!r}"
+        )
+    ours = ExtractGraphConfig.from_dict(from_spec, SPECULATIVE_CONFIG)
+    theirs = ExtractGraphConfig.from_dict(direct, ADDITIONAL_CONFIG)
+    clashes = [
+        k
+        for k in KEYS
+        if k in from_spec and k in direct and getattr(ours, k) != getattr(theirs, k)
+    ]
+    if clashes:
+        raise ValueError(
+            f"cg_extract key(s) {clashes} given in both the {SPECULATIVE_CONFIG} "
+            f"({ {k: from_spec[k] for k in clashes} }) and {ADDITIONAL_CONFIG} "
+            f"({ {k: direct[k] for k in clashes} }) with different values; "
+            "give each key in one place"
+        )
+    sources = {k: ADDITIONAL_CONFIG for k in direct}
+    sources.update({k: SPECULATIVE_CONFIG for k in from_spec})
+    return ExtractGraphConfig.from_dict({**direct, **from_spec}), sources
+
+
+def _validate_sizes(sizes: Any, where: str) -> tuple[int, ...]:
+    key = f"{where} key 'cudagraph_capture_sizes'"
     if not isinstance(sizes, list | tuple) or not sizes:
         raise ValueError(
-            f"speculative config key '{key}' must be a non-empty list of positive "
-            f"integers, got {sizes!r}"
+            f"{key} must be a non-empty list of positive integers, got {sizes!r}"
         )
     bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s <= 0]
     if bad:
         raise ValueError(
-            f"speculative config key '{key}' must hold positive integers, got "
-            f"{bad} in {list(sizes)}"
+            f"{key} must hold positive integers, got {bad} in {list(sizes)}"
         )
     dups = sorted({s for s in sizes if list(sizes).count(s) > 1})
     if dups:
         raise ValueError(
-            f"speculative config key '{key}' has duplicate sizes {dups} in "
-            f"{list(sizes)}; list each size once"
+            f"{key} has duplicate sizes {dups} in {list(sizes)}; list each size once"
         )
     return tuple(sizes)
 
@@ -177,7 +212,8 @@ def split_speculative_config(
 
     Keys are compared as vLLM compares them (``-`` read as ``_``). A key that
     is neither vLLM's nor ours but looks like ours (``cudagraphs``,
-    ``cuda_graph``) is an error here rather than vLLM's generic one.
+    ``capture_sizes``, ``cg_backend``) is an error here rather than vLLM's
+    generic one.
     """
     vllm_keys = set(vllm_keys)
     theirs, ours = {}, {}
@@ -186,18 +222,38 @@ def split_speculative_config(
         if norm in KEYS:
             ours[norm] = value
             continue
-        if norm not in vllm_keys:
-            guess = _looks_like_ours(norm)
-            if guess is not None:
-                raise ValueError(
-                    f"unknown speculative config key {key!r}; did you mean "
-                    f"{guess!r}? cg_extract accepts {list(KEYS)}"
-                )
+        if norm not in vllm_keys and _looks_like_ours(norm) is not None:
+            raise ValueError(_unknown_key_message([key], SPECULATIVE_CONFIG))
         theirs[key] = value
     return theirs, ours
 
 
+def _unknown_key_message(keys: list[str], where: str) -> str:
+    guesses = [
+        f"did you mean {guess!r}" + (f" for {key!r}?" if len(keys) > 1 else "?")
+        for key in keys
+        if (guess := _looks_like_ours(key.replace("-", "_"))) is not None
+    ]
+    names = ", ".join(repr(k) for k in keys)
+    return " ".join(
+        [f"unknown {where} key {names};", *guesses, f"cg_extract accepts {list(KEYS)}"]
+    )
+
+
+# Words people use for ours: "cg_backend", "cuda_graph", "enable_cudagraph".
+_ALIASES = {"cg": "cudagraph", "graph": "cudagraph", "cudagraphs": "cudagraph"}
+_FILLER = {"enable", "enabled", "use", "num"}
+
+
+def _words(key: str) -> set[str]:
+    key = key.lower().replace("cuda_graph", "cudagraph")
+    words = (_ALIASES.get(w, w).removesuffix("s") for w in key.split("_") if w)
+    return {w for w in words if w not in _FILLER}
+
+
 def _looks_like_ours(key: str) -> str | None:
+    """The key of ours ``key`` most likely means: a near spelling
+    (``cudagrpah``), or at least half the same words (``capture_sizes``)."""
     squashed = key.lower().replace("_", "")
     for name in KEYS:
         target = name.replace("_", "")
@@ -206,4 +262,9 @@ def _looks_like_ours(key: str) -> str | None:
             or difflib.SequenceMatcher(None, squashed, target).ratio() >= 0.85
         ):
             return name
-    return None
+    words = _words(key)
+    overlap = {
+        name: len(words & _words(name)) / len(words | _words(name)) for name in KEYS
+    }
+    best = max(KEYS, key=overlap.__getitem__)
+    return best if words and overlap[best] >= 0.5 else None

@@ -106,6 +106,7 @@ class CudaGraphManager:
         self.buffers: dict[str, torch.Tensor] = {}
         self._graphs: dict[int, Any] = {}
         self.capture_time_s = 0.0
+        self.capture_times_s: dict[int, float] = {}  # warm-up + capture, per size
         # What the captures themselves took, static buffers not included:
         # device memory for ``cuda``, the step's own allocations when emulated.
         self.graph_memory_bytes = 0
@@ -156,9 +157,11 @@ class CudaGraphManager:
         start = time.perf_counter()
         free_before = self._free_device_memory()
         for size in tqdm(sizes, desc=f"{desc} ({self.backend})", disable=not progress):
+            begin = time.perf_counter()
             step(size)  # eager warm-up: lazy init and autotuning stay out of the graph
             self._graphs[size] = self._capture_one(step, size)
-        self._sync()
+            self._sync()
+            self.capture_times_s[size] = time.perf_counter() - begin
         self.capture_time_s = time.perf_counter() - start
         if self.backend == "cuda":
             # Another process may free memory meanwhile; the graphs took none.
@@ -179,6 +182,7 @@ class CudaGraphManager:
 
     def release(self) -> None:
         self._graphs.clear()
+        self.capture_times_s.clear()
         self.graph_memory_bytes = 0
 
     def _capture_one(self, step: Step, size: int) -> Any:

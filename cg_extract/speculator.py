@@ -20,10 +20,14 @@ One step, from ``propose`` to the KV cache:
    * eager: no graph fits (``n`` above the largest size, nothing captured
      yet, graphs off).
 
-3. Every path ends in :meth:`_write`: each aux hidden state is scattered
-   straight to ``kv_cache[slot // block_size, layer, slot % block_size]``
-   (slot -1 lands in the null block 0, as in vLLM's cache-only layer), then
-   the layer's KV-connector hooks run as vLLM's layer runs them.
+3. Every path writes through :meth:`_write`: each aux hidden state is
+   scattered straight to ``kv_cache[slot // block_size, layer, slot %
+   block_size]`` (slot -1 lands in the null block 0, as in vLLM's cache-only
+   layer).
+4. Then the layer's KV-connector hooks run on the host, through vLLM's own
+   ``dummy_attention`` under the step's forward context, as the cache-only
+   layer runs them: after the write, eagerly or after the replay. A graph
+   holds the write alone, so no hook runs at capture or inside a replay.
 
 The graphs' life in the worker (memory profiling, re-initialisation,
 elastic EP release and recapture) is :mod:`cg_extract.vllm_graphs`'s.
@@ -39,16 +43,10 @@ import torch.nn as nn
 from vllm.compilation.backends import set_model_tag
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
-from vllm.forward_context import (
-    create_forward_context,
-    override_forward_context,
-    set_forward_context,
-)
+from vllm.distributed.kv_transfer import has_kv_transfer_group
+from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_model
-from vllm.model_executor.models.extract_hidden_states import (
-    CacheOnlyAttentionMetadata,
-    dummy_attention,
-)
+from vllm.model_executor.models.extract_hidden_states import dummy_attention
 from vllm.v1.worker.gpu.dp_utils import DPSyncState
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
@@ -143,15 +141,42 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
     # The write
 
     def _write(self, aux_hidden_states: Sequence[torch.Tensor], slots: torch.Tensor):
-        """Scatter into the KV cache, then the layer's KV-connector hooks.
+        """Scatter into the KV cache: the device work of the cache-only layer.
 
-        Byte-identical to ``CacheOnlyAttentionLayer.forward`` on the stacked
-        states, without stacking them: ``unified_kv_cache_update`` followed by
-        ``dummy_attention``, whose ``maybe_transfer_kv_layer`` decorator calls
-        the connector's ``wait_for_layer_load`` and ``save_kv_layer``.
+        Byte-identical to ``unified_kv_cache_update`` on the stacked states,
+        without stacking them. Graphs capture this and nothing else.
         """
         write_per_layer(aux_hidden_states, self.cache_layer.kv_cache, slots)
+
+    def _run_connector_hooks(self) -> None:
+        """The cache-only layer's connector hooks, by vLLM's own code path.
+
+        ``dummy_attention``'s ``maybe_transfer_kv_layer`` decorator calls the
+        connector's ``wait_for_layer_load`` then ``save_kv_layer`` with the
+        current forward context's metadata and KV cache, when a v1 KV transfer
+        group exists and has connector metadata, exactly as after the layer's
+        eager write. Errors from a hook propagate to ``propose``'s caller.
+        """
         dummy_attention(self.layer_name, self._placeholder)
+
+    def _step_context(
+        self,
+        attn_metadata: dict[str, Any],
+        slots: torch.Tensor,
+        is_padding: torch.Tensor,
+        dp_sync_state: DPSyncState | None,
+    ):
+        """The forward context vLLM's eager speculator gives the draft layer
+        for ``len(is_padding)`` tokens."""
+        return set_forward_context(
+            {self.layer_name: attn_metadata[self.layer_name]},
+            self.vllm_config,
+            num_tokens=len(is_padding),
+            num_tokens_across_dp=dp_sync_state and dp_sync_state.num_tokens_across_dp,
+            cudagraph_runtime_mode=CUDAGraphMode.NONE,
+            slot_mapping={self.layer_name: slots},
+            is_padding=is_padding,
+        )
 
     # ------------------------------------------------------------------
     # CUDA graphs
@@ -187,16 +212,10 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         slots: torch.Tensor,
         is_padding: torch.Tensor,
     ) -> None:
-        """The captured step: :meth:`_write` under the forward context the
-        cache-only layer's hooks read (Python, so built at capture only)."""
-        context = create_forward_context(
-            {self.layer_name: CacheOnlyAttentionMetadata(slot_mapping=slots)},
-            self.vllm_config,
-            slot_mapping={self.layer_name: slots},
-            is_padding=is_padding,
-        )
-        with override_forward_context(context):
-            self._write(aux_hidden_states, slots)
+        """The captured step: the write alone. The connector hooks are host
+        work that a replay would skip; ``propose`` runs them after it."""
+        del is_padding  # read by the hooks, from the step's own context
+        self._write(aux_hidden_states, slots)
 
     def _graph_backend(self, mode: CUDAGraphMode) -> tuple[str | None, str]:
         if not self.graph_config.cudagraph:
@@ -352,21 +371,19 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         is_padding = input_batch.is_padding[:num_tokens]
 
         padded = self._graph_size(num_tokens, dp_sync_state)
-        if padded is not None:
-            path = self.graphs.run(aux_hidden_states, slots, is_padding, padded)
-            self.counts[path] += 1
+        if padded is None:
+            self.counts["eager"] += 1
+            with self._step_context(attn_metadata, slots, is_padding, dp_sync_state):
+                self._write(aux_hidden_states, slots)
+                self._run_connector_hooks()
             return draft_tokens
-        self.counts["eager"] += 1
-        with set_forward_context(
-            {self.layer_name: attn_metadata[self.layer_name]},
-            self.vllm_config,
-            num_tokens=num_tokens,
-            num_tokens_across_dp=dp_sync_state and dp_sync_state.num_tokens_across_dp,
-            cudagraph_runtime_mode=CUDAGraphMode.NONE,
-            slot_mapping={self.layer_name: slots},
-            is_padding=is_padding,
-        ):
-            self._write(aux_hidden_states, slots)
+        path = self.graphs.run(aux_hidden_states, slots, is_padding, padded)
+        self.counts[path] += 1
+        # The hooks' own first test, made before building a forward context:
+        # without a KV transfer group a graph step does nothing more.
+        if has_kv_transfer_group():
+            with self._step_context(attn_metadata, slots, is_padding, dp_sync_state):
+                self._run_connector_hooks()
         return draft_tokens
 
     def _graph_size(

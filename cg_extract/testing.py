@@ -376,3 +376,80 @@ def propose_same_step(
             (loaded.speculator.propose(**inputs.kwargs, **propose_kwargs), inputs)
         )
     return results
+
+
+# --------------------------------------------------------------------------
+# KV connectors, created as a GPU worker creates them
+
+
+@contextlib.contextmanager
+def single_process_group(vllm_config):
+    """A one-process gloo group, the worker's distributed setup for TP/PP/DP
+    size 1 (connectors read their ranks), torn down on exit. Nothing is done
+    when one exists."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    if torch.distributed.is_initialized():
+        yield
+        return
+    with set_current_vllm_config(vllm_config):
+        single_process_parallel_state()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+
+
+@dataclass
+class Connectors:
+    """The step-by-step driver of a KV connector, as MRv2's runner drives it."""
+
+    scheduler: Any  # the scheduler-side connector: builds each step's metadata
+    worker: Any  # MRv2's ActiveKVConnector around the worker-side connector
+
+    def bind(self) -> None:
+        """``pre_forward``: bind the step's metadata before the forward."""
+        from vllm.v1.core.sched.output import SchedulerOutput
+
+        scheduler_output = SchedulerOutput.make_empty()
+        scheduler_output.kv_connector_metadata = self.scheduler.build_connector_meta(
+            scheduler_output
+        )
+        self.worker.pre_forward(scheduler_output)
+
+    def step(self, loaded: LoadedSpeculator, inputs: StepInputs) -> torch.Tensor:
+        """Bind, ``propose``, then ``post_forward`` (which clears the metadata)."""
+        self.bind()
+        try:
+            return loaded.speculator.propose(**inputs.kwargs)
+        finally:
+            self.worker.post_forward(set())
+
+
+@contextlib.contextmanager
+def worker_connector(loaded: LoadedSpeculator):
+    """``loaded``'s configured connector made the GPU worker's way
+    (``ensure_kv_transfer_initialized``, in a process group) and wrapped in
+    MRv2's ``ActiveKVConnector``; shut down on exit. Needs the speculator's
+    ``kv_cache_config`` (see :func:`attach_target_graph_outputs`)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        ensure_kv_transfer_initialized,
+        ensure_kv_transfer_shutdown,
+    )
+    from vllm.v1.worker.gpu.kv_connector import get_kv_connector
+
+    cfg, kv_cache_config = loaded.vllm_config, loaded.speculator.kv_cache_config
+    ensure_kv_transfer_initialized(cfg, kv_cache_config)
+    try:
+        yield Connectors(
+            KVConnectorFactory.create_connector(
+                cfg, KVConnectorRole.SCHEDULER, kv_cache_config
+            ),
+            get_kv_connector(cfg, {loaded.layer_name: loaded.kv_cache}),
+        )
+    finally:
+        ensure_kv_transfer_shutdown()

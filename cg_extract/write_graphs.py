@@ -20,9 +20,9 @@ The static buffers are allocated when this object is built; build it where
 the caller's memory accounting should see them (the speculator builds it in
 ``capture()``, inside the window vLLM measures).
 
-No vLLM here: the speculator supplies a ``write`` that adds vLLM's forward
-context and connector hooks, the ``kernel`` sweep and the GPU tests supply
-:func:`cg_extract.cache_write.write_per_layer`.
+No vLLM here, and only device work in ``write``: the speculator runs vLLM's
+connector hooks on the host after a replay; the ``kernel`` sweep and the GPU
+tests supply :func:`cg_extract.cache_write.write_per_layer`.
 """
 
 from __future__ import annotations
@@ -125,6 +125,14 @@ class WriteGraphs:
         return sum(g.capture_time_s for g in self._managers())
 
     @property
+    def capture_times_s(self) -> dict[str, dict[int, float]]:
+        """Seconds per size (warm-up and capture), by graph set."""
+        times = {"copy_in": self.copy_in.capture_times_s}
+        if self.zero_copy is not None:
+            times["zero_copy"] = self.zero_copy.capture_times_s
+        return times
+
+    @property
     def graph_memory_bytes(self) -> int:
         """What the captures took, static buffers not included."""
         return sum(g.graph_memory_bytes for g in self._managers())
@@ -132,6 +140,18 @@ class WriteGraphs:
     @property
     def static_bytes(self) -> int:
         return self.copy_in.static_bytes
+
+    def summary(self) -> dict[str, Any]:
+        """What capture cost, for reports: sizes, seconds, bytes."""
+        return {
+            "backend": self.copy_in.backend,
+            "captured_sizes": self.captured_sizes,
+            "zero_copy_sizes": self.zero_copy_sizes,
+            "capture_time_s": self.capture_time_s,
+            "capture_times_s": self.capture_times_s,
+            "graph_memory_bytes": self.graph_memory_bytes,
+            "static_bytes": self.static_bytes,
+        }
 
     def _managers(self) -> list[CudaGraphManager]:
         return [g for g in (self.copy_in, self.zero_copy) if g is not None]

@@ -97,6 +97,11 @@ class Runner(ABC):
     def reset_cache(self) -> None:
         self.kv_cache.zero_()
 
+    def graph_summary(self) -> dict[str, Any] | None:
+        """Capture time and graph memory of this mode's graphs (the sweep's
+        ``.meta.json``); None for a mode without graphs."""
+        return None
+
 
 @dataclass(frozen=True)
 class Mode:

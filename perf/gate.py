@@ -1,19 +1,16 @@
-"""Compare two sweep CSVs row by row; exit 1 when the current run regresses.
+"""Gate a sweep CSV; exit 1 when it regresses.
 
-    python perf/gate.py --baseline perf/baselines/cpu.csv --current out/ci_gate/sweep.csv
-    python perf/gate.py --update --baseline perf/baselines/cpu.csv --current new.csv
+    python perf/gate.py --current out/ci_gate/sweep.csv --baseline perf/baselines/cpu.csv \
+        --machine-baselines perf/baselines/cpu [--update]
 
-Rows are matched on (engine, mode, num_tokens). What is compared, in which
-direction and with what tolerance is data: ``rules.csv`` next to the baseline
-(``--rules`` to override). A rule applies ``anywhere`` (correctness, op
-counts, ratios measured within one run) or only on the ``same_device``: both
-runs on CUDA on the same GPU model (absolute latencies, throughput, energy);
-CPU timings from shared machines are never compared absolutely.
-
-Exit status: 0 pass, 1 regression (a failed rule or a baseline row missing
-from the current run), 2 refused (different schemas, devices or parameters,
-or a bad rules file). ``--update`` prints the same comparison, then replaces
-the baseline with the current run unless the current run is incorrect.
+The checks are data (``rules.csv`` next to ``--baseline``): each selects rows
+by mode and token count and checks its metric on the current run alone
+(``run``), against any baseline (``baseline``), or against a baseline from
+the same machine model (``same_machine``) or GPU (``same_gpu``). The baseline
+is ``--machine-baselines``/<machine>.csv when there is one, else the reference
+``--baseline``; the output says which. perf/README.md ("The gate") explains
+the rules. Exit 0 pass, 1 regression, 2 refused (one line on stderr naming
+the file and the problem).
 """
 
 from __future__ import annotations
@@ -31,32 +28,36 @@ from typing import Any
 
 import pandas as pd
 
+from perf.machine import machine_key
 from perf.report import COLUMNS, KEY, PARAMETERS
 
 PASS, FAIL, REFUSED = 0, 1, 2
-RULE_COLUMNS = ["metric", "direction", "tolerance", "where", "why"]
-DIRECTIONS = ("higher", "lower", "true", "equal")
-WHERE = ("anywhere", "same_device")
+RULE_COLUMNS = ["metric", "modes", "tokens", "where", "direction", "limit", "why"]
+WHERE = ("run", "baseline", "same_machine", "same_gpu")
+DIRECTIONS = ("true", "higher", "lower")
 
 
 class Refused(Exception):
-    """The two runs cannot be compared; the message says why."""
+    """The input cannot be gated; the message names the file and the problem."""
 
 
 @dataclass(frozen=True)
 class Rule:
     metric: str
-    direction: str  # higher | lower: relative tolerance; true; equal
-    tolerance: float
-    where: str  # anywhere | same_device
+    modes: str  # names; "*" every mode; "!name" every mode but that one
+    min_tokens: int
+    max_tokens: float
+    where: str
+    direction: str
+    limit: float  # run: the bound itself; otherwise the relative tolerance
     why: str
 
-
-@dataclass(frozen=True)
-class Check:
-    verdict: str  # "ok", "FAIL", "n/a" or "skip" (a same_device rule, not same device)
-    ratio: float = math.nan
-    limit: Any = math.nan
+    def applies(self, mode: str, num_tokens: int) -> bool:
+        names = self.modes.split()
+        wanted = [n for n in names if not n.startswith("!")]
+        if f"!{mode}" in names or (wanted and "*" not in wanted and mode not in wanted):
+            return False
+        return self.min_tokens <= num_tokens <= self.max_tokens
 
 
 # --------------------------------------------------------------------------
@@ -64,44 +65,84 @@ class Check:
 
 
 def load_rules(path: Path) -> list[Rule]:
-    try:
-        frame = pd.read_csv(path, comment="#", skipinitialspace=True)
-    except OSError as why:
-        raise Refused(f"cannot read rules {path}: {why}") from why
+    frame = _read_csv(path, "rules", comment="#", dtype=str, keep_default_na=False)
+    frame.columns = [c.strip() for c in frame.columns]
     if list(frame.columns) != RULE_COLUMNS:
         raise Refused(
-            f"{path}: columns must be {RULE_COLUMNS}, got {list(frame.columns)}"
+            f"rules {path}: columns must be {RULE_COLUMNS}, got {list(frame.columns)}"
         )
     rules = []
     for line, r in enumerate(frame.to_dict("records"), start=1):
-        metric, direction, tolerance, where = (
-            r["metric"],
-            r["direction"],
-            r["tolerance"],
-            r["where"],
-        )
-        at = f"{path} rule {line} ({metric})"
-        if metric not in COLUMNS:
-            raise Refused(f"{at}: {metric!r} is not a sweep column")
-        if direction not in DIRECTIONS:
-            raise Refused(f"{at}: direction must be one of {DIRECTIONS}")
-        if where not in WHERE:
-            raise Refused(f"{at}: where must be one of {WHERE}")
-        if not tolerance >= 0:
-            raise Refused(f"{at}: tolerance must be a number >= 0")
-        rules.append(Rule(metric, direction, float(tolerance), where, r["why"]))
+        r = {k: v.strip() for k, v in r.items()}
+        at = f"rules {path} rule {line} ({r['metric']})"
+        if r["metric"] not in COLUMNS:
+            raise Refused(f"{at}: {r['metric']!r} is not a sweep column")
+        if r["where"] not in WHERE:
+            raise Refused(f"{at}: where {r['where']!r} is not one of {WHERE}")
+        if r["direction"] not in DIRECTIONS:
+            raise Refused(f"{at}: direction {r['direction']!r} not one of {DIRECTIONS}")
+        limit = 0 if r["direction"] == "true" and not r["limit"] else r["limit"]
+        limit = float(pd.to_numeric(limit, errors="coerce"))
+        if not limit >= 0 or math.isinf(limit):
+            raise Refused(f"{at}: limit {r['limit']!r} is not a number >= 0")
+        low, high = _token_range(r["tokens"], at)
+        rule = Rule(r["metric"], r["modes"] or "*", low, high, r["where"],
+                    r["direction"], limit, r["why"])  # fmt: skip
+        rules.append(rule)
     return rules
 
 
-def load_sweep(path: Path) -> pd.DataFrame:
+def _token_range(text: str, at: str) -> tuple[int, float]:
+    """``*``, ``N``, ``N-`` or ``N-M``."""
+    if text in ("", "*"):
+        return 1, math.inf
+    low, dash, high = text.partition("-")
     try:
-        return pd.read_csv(path)
-    except (OSError, pd.errors.ParserError) as why:
-        raise Refused(f"cannot read sweep CSV {path}: {why}") from why
+        return int(low), (int(high) if high else math.inf) if dash else int(low)
+    except ValueError:
+        raise Refused(f"{at}: tokens {text!r} is not *, N, N- or N-M") from None
+
+
+def load_sweep(path: Path, role: str) -> pd.DataFrame:
+    """A sweep CSV that can be gated: rows, keys that are whole token counts,
+    each key once."""
+    frame = _read_csv(path, role)
+    at = f"{role} {path}"
+    absent = [c for c in [*KEY, "device", "device_name"] if c not in frame.columns]
+    if absent:
+        raise Refused(f"{at}: not a sweep CSV (no column {', '.join(absent)})")
+    if frame.empty:
+        raise Refused(f"{at}: no rows (a header only)")
+    tokens = pd.to_numeric(frame["num_tokens"], errors="coerce")
+    bad = ~((tokens >= 1) & (tokens % 1 == 0))
+    if bad.any():
+        i = bad.idxmax()
+        raise Refused(
+            f"{at}: line {i + 2}: num_tokens {frame['num_tokens'][i]!r} is not a "
+            "whole number >= 1"
+        )
+    frame["num_tokens"] = tokens.astype(int)
+    twice = frame.duplicated(KEY)
+    if twice.any():
+        raise Refused(f"{at}: {_fmt_key(_key(frame[twice].iloc[0]))} appears twice")
+    if frame["device_name"].nunique() != 1:
+        raise Refused(f"{at}: rows from several machines {_names(frame)}")
+    return frame
+
+
+def _read_csv(path: Path, role: str, **kwargs) -> pd.DataFrame:
+    if not path.is_file():
+        raise Refused(f"{role} {path}: no such file")
+    try:
+        return pd.read_csv(path, **kwargs)
+    except pd.errors.EmptyDataError:
+        raise Refused(f"{role} {path}: empty file") from None
+    except (OSError, ValueError) as why:  # ParserError and decode errors included
+        raise Refused(f"{role} {path}: cannot read: {why}") from None
 
 
 # --------------------------------------------------------------------------
-# Comparability
+# What the two runs have in common
 
 
 def check_comparable(base: pd.DataFrame, cur: pd.DataFrame) -> None:
@@ -110,10 +151,9 @@ def check_comparable(base: pd.DataFrame, cur: pd.DataFrame) -> None:
         added = [c for c in cur.columns if c not in base.columns]
         removed = [c for c in base.columns if c not in cur.columns]
         raise Refused(
-            "the CSVs have different schemas "
-            f"(current adds {added}, drops {removed}"
-            + (", or orders columns differently" if not added + removed else "")
-            + "); regenerate the baseline with --update"
+            f"the CSVs have different schemas (current adds {added}, drops "
+            f"{removed}{', or orders columns differently' if not added + removed else ''})"
+            "; regenerate the baseline with --update"
         )
     devices = sorted(set(base["device"])), sorted(set(cur["device"]))
     if devices[0] != devices[1]:
@@ -123,8 +163,7 @@ def check_comparable(base: pd.DataFrame, cur: pd.DataFrame) -> None:
         )
     for engine in sorted(set(base["engine"]) & set(cur["engine"])):
         for column in PARAMETERS:
-            want = _values(base, engine, column)
-            got = _values(cur, engine, column)
+            want, got = _values(base, engine, column), _values(cur, engine, column)
             if want != got:
                 raise Refused(
                     f"engine {engine!r}: parameter {column} is {got} in the current "
@@ -137,46 +176,62 @@ def _values(frame: pd.DataFrame, engine: str, column: str) -> list[str]:
     return sorted({str(v) for v in frame.loc[frame["engine"] == engine, column]})
 
 
-def same_device(base: pd.DataFrame, cur: pd.DataFrame) -> str:
-    """Empty when absolute figures are comparable, else why not."""
-    if set(base["device"]) != {"cuda"}:
-        return "CPU timings from shared machines are not compared absolutely"
-    names = set(base["device_name"]), set(cur["device_name"])
-    if names[0] != names[1]:
-        return f"baseline GPU {sorted(names[0])}, current {sorted(names[1])}"
-    return ""
+def key_of(frame: pd.DataFrame) -> str | None:
+    return machine_key(frame["device"].iloc[0], frame["device_name"].iloc[0])
+
+
+def why_not_comparable(base: pd.DataFrame, cur: pd.DataFrame) -> dict[str, str]:
+    """For each baseline ``where``, empty when its rules apply, else why not."""
+    keys = key_of(base), key_of(cur)
+    if keys[0] is None:
+        machine = f"the baseline's machine is unknown ({_names(base)}, no CPU identity)"
+    elif keys[0] != keys[1]:
+        machine = f"another machine (baseline {keys[0]}, current {keys[1]})"
+    else:
+        machine = ""
+    gpu = "not a GPU run" if base["device"].iloc[0] != "cuda" else machine
+    return {"baseline": "", "same_machine": machine, "same_gpu": gpu}
+
+
+def _names(frame: pd.DataFrame) -> str:
+    return ", ".join(sorted(set(frame["device_name"])))
 
 
 # --------------------------------------------------------------------------
-# Comparison
+# Checking
 
 
-def evaluate(rule: Rule, base: Any, cur: Any, not_same_device: str) -> Check:
-    if rule.where == "same_device" and not_same_device:
-        return Check("skip")
+@dataclass(frozen=True)
+class Check:
+    verdict: str  # ok, better (an improvement beyond the tolerance), FAIL
+    limit: Any = math.nan
+
+
+def check_run(rule: Rule, cur: Any) -> Check:
     if rule.direction == "true":
-        return _check_true(base, cur)
-    if _missing(base) and _missing(cur):
-        return Check("n/a")
+        return Check("ok" if as_bool(cur) is True else "FAIL", True)
     if _missing(cur):
-        return Check("FAIL", limit="a value")  # the run lost a measurement
-    if _missing(base):
-        return Check("ok")  # new measurement
-    base, cur = float(base), float(cur)
-    ratio = cur / base if base else math.nan
-    if rule.direction == "equal":
-        return Check("ok" if cur == base else "FAIL", ratio, base)
-    if rule.direction == "lower":
-        limit = base * (1 + rule.tolerance)
-        return Check("ok" if cur <= limit else "FAIL", ratio, limit)
-    limit = base * (1 - rule.tolerance)
-    return Check("ok" if cur >= limit else "FAIL", ratio, limit)
+        return Check("FAIL", "a value")
+    ok = cur >= rule.limit if rule.direction == "higher" else cur <= rule.limit
+    return Check("ok" if ok else "FAIL", rule.limit)
 
 
-def _check_true(base: Any, cur: Any) -> Check:
+def check_baseline(rule: Rule, base: Any, cur: Any) -> Check | None:
+    """None when neither run has the figure."""
+    if rule.direction == "true":
+        return check_run(rule, cur)
     if _missing(base) and _missing(cur):
-        return Check("n/a")  # the reference row has no flag
-    return Check("ok" if as_bool(cur) is True else "FAIL", limit=True)
+        return None
+    if _missing(cur):
+        return Check("FAIL", "a value")  # the run lost a measurement
+    if _missing(base):
+        return Check("ok")  # a new measurement
+    sign = 1 if rule.direction == "lower" else -1  # lower is better: +1
+    limit = base * (1 + sign * rule.limit)
+    if sign * (cur - limit) > 0:
+        return Check("FAIL", limit)
+    better = sign * (cur - base * (1 - sign * rule.limit)) < 0
+    return Check("better" if better else "ok", limit)
 
 
 def as_bool(value: Any) -> bool | None:
@@ -193,45 +248,49 @@ def _missing(value: Any) -> bool:
 
 @dataclass
 class Comparison:
-    table: pd.DataFrame  # one line per compared (row, metric)
+    table: pd.DataFrame  # one line per (row, rule) checked
     missing: list[tuple]  # baseline rows absent from the current run
     new: list[tuple]  # current rows absent from the baseline
-    not_same_device: str  # why same_device rules were skipped, or ""
+    skipped: dict[str, str]  # where -> why its rules were not applied
 
-    @property
-    def failures(self) -> int:
-        return int((self.table["verdict"] == "FAIL").sum()) + len(self.missing)
+    def count(self, verdict: str) -> int:
+        return int((self.table["verdict"] == verdict).sum())
 
     @property
     def passed(self) -> bool:
-        return self.failures == 0
+        return self.count("FAIL") == 0 and not self.missing
 
 
 def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[Rule]) -> Comparison:
     check_comparable(base, cur)
-    not_same_device = same_device(base, cur)
+    skipped = {w: why for w, why in why_not_comparable(base, cur).items() if why}
     base_rows = {_key(r): r for _, r in base.iterrows()}
-    cur_rows = {_key(r): r for _, r in cur.iterrows()}
     lines = []
-    for key, b in base_rows.items():
-        c = cur_rows.get(key)
-        if c is None:
-            continue
+    for _, c in cur.iterrows():
+        key = _key(c)
+        b = base_rows.get(key)
         for rule in rules:
-            check = evaluate(rule, b[rule.metric], c[rule.metric], not_same_device)
-            lines.append(
-                (*key, rule.metric, b[rule.metric], c[rule.metric])
-                + (check.ratio, check.limit, check.verdict)
-            )
-    table = pd.DataFrame(
-        lines,
-        columns=[*KEY, "metric", "baseline", "current", "ratio", "limit", "verdict"],
-    )
+            if not rule.applies(key[1], key[2]) or rule.where in skipped:
+                continue
+            m = rule.metric
+            if rule.where == "run":
+                check = check_run(rule, c[m])
+            elif b is None:
+                continue
+            else:
+                check = check_baseline(rule, b[m], c[m])
+            if check is not None:
+                base_value = math.nan if b is None or rule.where == "run" else b[m]
+                lines.append(
+                    (*key, m, rule.where, base_value, c[m], check.limit, check.verdict)
+                )
+    columns = [*KEY, "metric", "where", "baseline", "current", "limit", "verdict"]
+    cur_keys = {_key(r) for _, r in cur.iterrows()}
     return Comparison(
-        table,
-        missing=[k for k in base_rows if k not in cur_rows],
-        new=[k for k in cur_rows if k not in base_rows],
-        not_same_device=not_same_device,
+        pd.DataFrame(lines, columns=columns),
+        missing=[k for k in base_rows if k not in cur_keys],
+        new=[k for k in cur_keys if k not in base_rows],
+        skipped=skipped,
     )
 
 
@@ -240,21 +299,19 @@ def _key(row: pd.Series) -> tuple[str, str, int]:
     return engine, mode, int(num_tokens)
 
 
-def render(comparison: Comparison) -> str:
+def render(comparison: Comparison, against: str = "") -> str:
     shown = comparison.table.copy()
-    for column in ("baseline", "current", "ratio", "limit"):
+    for column in ("baseline", "current", "limit"):
         shown[column] = shown[column].map(_fmt)
     out = [shown.to_string(index=False) if len(shown) else "(nothing compared)"]
     out += [f"MISSING from current run: {_fmt_key(k)}" for k in comparison.missing]
-    out += [f"new in current run (not gated): {_fmt_key(k)}" for k in comparison.new]
-    if comparison.not_same_device:
-        out.append(f"same_device rules skipped: {comparison.not_same_device}")
-    checks = len(comparison.table)
-    failed = int((comparison.table["verdict"] == "FAIL").sum())
+    out += [f"new in current run: {_fmt_key(k)}" for k in sorted(comparison.new)]
+    out += [f"{w} rules not applied: {why}" for w, why in comparison.skipped.items()]
     out.append(
-        f"gate: {checks} checks, {failed} failed, {len(comparison.missing)} baseline "
-        f"rows missing, {len(comparison.new)} new rows -> "
-        + ("PASS" if comparison.passed else "FAIL")
+        f"gate: {'PASS' if comparison.passed else 'FAIL'}: {len(shown)} checks, "
+        f"{comparison.count('FAIL')} failed, {comparison.count('better')} better, "
+        f"{len(comparison.missing)} baseline rows missing, {len(comparison.new)} new"
+        + (f"; {against}" if against else "")
     )
     return "\n".join(out)
 
@@ -262,9 +319,9 @@ def render(comparison: Comparison) -> str:
 def _fmt(value: Any) -> str:
     if _missing(value):
         return ""
-    if isinstance(value, float):
+    if isinstance(value, float) and not value.is_integer():
         return f"{value:.4g}"
-    return str(value)
+    return str(int(value)) if isinstance(value, float) else str(value)
 
 
 def _fmt_key(key: tuple) -> str:
@@ -279,51 +336,86 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="perf/gate.py", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--baseline", type=Path, required=True)
-    p.add_argument("--current", type=Path, required=True)
-    p.add_argument(
-        "--rules", type=Path, help="default: rules.csv in the baseline's folder"
-    )
+    p.add_argument("--current", type=Path, required=True, help="the sweep CSV to gate")
+    p.add_argument("--baseline", type=Path, required=True, help="the reference")
+    p.add_argument("--machine-baselines", type=Path, help="folder of <machine>.csv")
+    p.add_argument("--rules", type=Path, help="default: rules.csv next to --baseline")
     p.add_argument(
         "--update",
         action="store_true",
-        help="print the comparison, then replace the baseline with the current run",
+        help="print the comparison, then make the current run the baseline "
+        "(<machine>.csv with --machine-baselines, else --baseline)",
     )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    rules_path = args.rules or args.baseline.parent / "rules.csv"
     try:
-        rules = load_rules(rules_path)
-        cur = load_sweep(args.current)
-        if args.update:
-            return update(args.baseline, args.current, cur, rules)
-        comparison = compare(load_sweep(args.baseline), cur, rules)
+        return gate(args)
     except Refused as why:
-        print(f"gate: refused: {why}", file=sys.stderr)
+        print(f"gate: refused: {' '.join(str(why).split())}", file=sys.stderr)
         return REFUSED
-    print(render(comparison))
+
+
+def gate(args: argparse.Namespace) -> int:
+    cur = load_sweep(args.current, "current run")
+    base_path, target, note = choose_baseline(args, cur)
+    if args.update:
+        return update(args, cur, target)
+    base = load_sweep(base_path, "baseline")
+    rules = load_rules(args.rules or args.baseline.parent / "rules.csv")
+    try:
+        comparison = compare(base, cur, rules)
+    except Refused as why:
+        raise Refused(
+            f"baseline {base_path}, current run {args.current}: {why}"
+        ) from None
+    print(note)
+    print(render(comparison, f"baseline {base_path}"))
     return PASS if comparison.passed else FAIL
 
 
-def update(baseline: Path, current: Path, cur: pd.DataFrame, rules: list[Rule]) -> int:
+def choose_baseline(args: argparse.Namespace, cur: pd.DataFrame):
+    """(the baseline to compare with, the one --update writes, why)."""
+    if not args.machine_baselines:
+        return args.baseline, args.baseline, f"gate: baseline {args.baseline}"
+    key = key_of(cur)
+    if key is None:
+        raise Refused(
+            f"current run {args.current}: no machine identity in its device_name "
+            f"({_names(cur)}), so no baseline of its own can be chosen"
+        )
+    own = args.machine_baselines / f"{key}.csv"
+    if own.is_file():
+        return own, own, f"gate: baseline {own}: made on this machine model ({key})"
+    return (
+        args.baseline,
+        own,
+        (
+            f"gate: baseline {args.baseline}: the reference, as there is no {own} for "
+            "this machine model; timing ratios are checked only through the floors"
+        ),
+    )
+
+
+def update(args: argparse.Namespace, cur: pd.DataFrame, target: Path) -> int:
     """Show what changes, then make the current run the baseline."""
-    if baseline.exists():
+    if target.is_file():
+        rules = load_rules(args.rules or args.baseline.parent / "rules.csv")
         try:
-            print(render(compare(load_sweep(baseline), cur, rules)))
+            print(render(compare(load_sweep(target, "old baseline"), cur, rules)))
         except Refused as why:
             print(f"gate: the old baseline is not comparable ({why}); replacing it")
     wrong = cur[cur["bit_exact"].map(lambda v: as_bool(v) is False)]
     if len(wrong):
         raise Refused(
-            f"{len(wrong)} rows of {current} are not bit-exact; a baseline must be "
-            "correct:\n" + wrong[KEY].to_string(index=False)
+            f"current run {args.current}: {len(wrong)} rows are not bit-exact "
+            f"(first: {_fmt_key(_key(wrong.iloc[0]))}); a baseline must be correct"
         )
-    baseline.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(current, baseline)
-    print(f"gate: baseline {baseline} updated from {current} ({len(cur)} rows)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(args.current, target)
+    print(f"gate: baseline {target} updated from {args.current} ({len(cur)} rows)")
     return PASS
 
 

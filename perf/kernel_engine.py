@@ -113,6 +113,9 @@ class GraphKernel(Runner):
             )
         self.graphs.capture(self.persistent, progress=False)
 
+    def graph_summary(self) -> dict:
+        return self.graphs.summary()
+
     def receive(self, inputs: KernelInputs) -> KernelInputs:
         n = inputs.num_tokens
         if self.persistent is None or n > self.persistent.rows:

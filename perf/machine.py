@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -15,20 +16,47 @@ import cg_extract
 REPO = Path(__file__).resolve().parent.parent
 
 
+# On these VMs "model name" reads "AMD EPYC" or "Intel(R) Xeon(R) Processor" for
+# many CPU generations; vendor, family, model and stepping tell them apart.
+CPUINFO_IDENTITY = ("vendor_id", "cpu family", "model", "stepping")
+IDENTITY = re.compile(r"\[(\S+) family (\d+) model (\d+) stepping (\d+)\]")
+
+
 def device_name(device: torch.device) -> str:
+    """The GPU name, or the CPU model name, identity and core count, e.g.
+    ``AMD EPYC [AuthenticAMD family 26 model 2 stepping 1] (2 cores)``."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{_cpu_model()} ({os.cpu_count()} cores)"
+    fields = _cpuinfo()
+    identity = ""
+    if all(fields.get(k) for k in CPUINFO_IDENTITY):
+        vendor, family, model, stepping = (fields[k] for k in CPUINFO_IDENTITY)
+        identity = f" [{vendor} family {family} model {model} stepping {stepping}]"
+    return f"{fields.get('model name', 'CPU')}{identity} ({os.cpu_count()} cores)"
 
 
-def _cpu_model() -> str:
+def machine_key(device: str, device_name: str) -> str | None:
+    """What makes two runs' timings comparable, as a file name: the CPU's
+    vendor, family, model and stepping (``AuthenticAMD-f26-m2-s1``) or the GPU
+    name (``NVIDIA-H200``). None for a CPU recorded without them: such a run
+    matches no machine, not even its own."""
+    if device != "cpu":
+        return re.sub(r"[^A-Za-z0-9.]+", "-", device_name).strip("-") or None
+    found = IDENTITY.search(device_name)
+    return "{}-f{}-m{}-s{}".format(*found.groups()) if found else None
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields."""
+    fields: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return "CPU"
+        return fields
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
 
 
 def driver_version(device: torch.device) -> str:

@@ -108,11 +108,20 @@ def sidecar_paths(csv_path: Path) -> tuple[Path, Path]:
 
 
 def write(frame: pd.DataFrame, csv_path: Path, notes: Mapping[str, Any]) -> None:
-    """CSV, sidecar notes (skipped modes and why, NVML status, op lists), PNG."""
+    """CSV, PNG, then the sidecar notes (skipped modes and why, NVML status,
+    op lists, interrupted): last, so that they can record a Ctrl-C that came
+    while the others were written."""
     png, meta = sidecar_paths(csv_path)
     frame.to_csv(csv_path, index=False)
-    meta.write_text(json.dumps(notes, indent=2, default=str) + "\n")
     plot(frame, png)
+    meta.write_text(json.dumps(notes, indent=2, default=str) + "\n")
+
+
+# What each engine's `upstream` mode is, for the speedup panel's title.
+UPSTREAM = {
+    "speculator": "vLLM's own speculator",
+    "kernel": "vLLM's arithmetic in torch",
+}
 
 
 def plot(frame: pd.DataFrame, png: Path) -> None:
@@ -122,32 +131,36 @@ def plot(frame: pd.DataFrame, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (latency, speedup) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for (engine, mode), rows in frame.groupby(["engine", "mode"], sort=False):
+    series = frame.groupby(["engine", "mode"], sort=False)
+    for index, ((engine, mode), rows) in enumerate(series):
         rows = rows.sort_values("num_tokens")
-        label = f"{engine}/{mode}"
-        latency.plot(rows["num_tokens"], rows["p50_us"], marker="o", label=label)
-        if mode != "upstream":
-            speedup.plot(
-                rows["num_tokens"], rows["speedup_vs_upstream"], marker="o", label=label
-            )
+        style = {"marker": "o", "label": f"{engine}/{mode}", "color": f"C{index % 10}"}
+        latency.plot(rows["num_tokens"], rows["p50_us"], **style)
+        if mode != "upstream" and rows["speedup_vs_upstream"].notna().any():
+            speedup.plot(rows["num_tokens"], rows["speedup_vs_upstream"], **style)
     latency.set(
-        xscale="log",
-        yscale="log",
-        xlabel="tokens per step",
-        ylabel="p50 step latency (us)",
-        title="Step latency",
+        xlabel="tokens per step", ylabel="p50 step latency (us)", title="Step latency"
     )
-    speedup.axhline(1.0, color="grey", linewidth=0.8)
+    engines = set(frame["engine"])
+    reference = "each engine's upstream"
+    if len(engines) == 1 and engines <= UPSTREAM.keys():
+        reference = UPSTREAM[engines.pop()]
     speedup.set(
-        xscale="log",
         xlabel="tokens per step",
         ylabel="p50 upstream / p50 mode",
-        title="Speedup vs vLLM's own speculator",
+        title=f"Speedup vs {reference}",
     )
     for ax in (latency, speedup):
+        if not ax.lines:  # nothing to scale: e.g. a run without upstream
+            ax.text(0.5, 0.5, "no data", ha="center", transform=ax.transAxes)
+            continue
+        ax.set_xscale("log")
+        if ax is latency:
+            ax.set_yscale("log")
+        else:
+            ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.grid(True, which="both", alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize="small")
+        ax.legend(fontsize="small")
     if len(frame):
         first = frame.iloc[0]
         fig.suptitle(

@@ -100,6 +100,9 @@ class GraphRunner(SpeculatorRunner):
         if not self.speculator.cudagraph_stats()["captured_sizes"]:
             raise ModeUnavailable("the speculator captured no graphs (see its log)")
 
+    def graph_summary(self) -> dict:
+        return self.speculator.graphs.summary()
+
     def receive(self, inputs: Any) -> Any:
         from cg_extract.testing import as_target_outputs
 

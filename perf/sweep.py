@@ -20,6 +20,7 @@ import argparse
 import functools
 import math
 import os
+import signal
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ DEFAULTS = {
 COPY_BYTES = {"cuda": 2**30, "cpu": 2**28}
 # Fraction of available memory the sweep may plan to use.
 MEMORY_HEADROOM = 0.8
+REFUSED = 2
 INTERRUPTED = 130
 
 
@@ -301,8 +303,10 @@ def _check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 
 def _check_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if len(set(args.layers)) != len(args.layers):
-        parser.error(f"--layers has duplicates: {args.layers}")
+    for name in ("sizes", "layers"):
+        values = getattr(args, name)
+        if len(set(values)) != len(values):
+            parser.error(f"--{name} has duplicates: {' '.join(map(str, values))}")
     head_dim = engine_module("speculator").HEAD_DIM
     if "speculator" in args.engines and args.hidden_size % head_dim:
         parser.error(
@@ -475,6 +479,11 @@ def bit_exact(engine: Engine, runner: Runner, inputs: Any, received: Any) -> boo
     return caches_equal(runner.kv_cache, reference.kv_cache) and torch.equal(got, want)
 
 
+def graph_summaries(engine: Engine) -> dict[str, Any]:
+    summaries = {mode: r.graph_summary() for mode, r in engine.runners.items()}
+    return {mode: s for mode, s in summaries.items() if s is not None}
+
+
 def build_engine(name: str, args: argparse.Namespace) -> Engine:
     engine = engine_module(name).ENGINE(make_params(args))
     with graph_steps_kept():
@@ -531,6 +540,7 @@ def _run(args: argparse.Namespace) -> int:
         "skipped_modes": {},
         "copy_bandwidth_gbps": copy_bw / 1e9,
         "op_lists": {},
+        "graphs": {},  # capture time and graph memory, per engine and mode
     }
     rows: list[dict[str, Any]] = []
     sampler = start_sampler(device, args.nvml_interval)
@@ -553,7 +563,9 @@ def _run(args: argparse.Namespace) -> int:
                 engine_module("vllm").run(args, sampler, emit)
             else:
                 notes["skipped_modes"][name] = engine.skipped
-                measure_engine(engine, settings, sampler, notes["op_lists"], emit)
+                notes["graphs"][name] = graph_summaries(engine)
+                if engine.runners:
+                    measure_engine(engine, settings, sampler, notes["op_lists"], emit)
             del engine  # free its caches before the next engine
     except KeyboardInterrupt:
         interrupted = True
@@ -561,11 +573,40 @@ def _run(args: argparse.Namespace) -> int:
         progress.close()
         sampler.close()
         notes["interrupted"] = interrupted
-        run_columns = machine.run_columns(device, copy_bw)
-        frame = report.to_frame({**row, **run_columns} for row in rows)
-        report.write(frame, args.out, notes)
+        if rows or interrupted:
+            run_columns = machine.run_columns(device, copy_bw)
+            frame = report.to_frame({**row, **run_columns} for row in rows)
+            write_report(frame, args.out, notes)
+    if not rows and not interrupted:
+        left_out = "; ".join(
+            f"{engine}/{mode}: {why}"
+            for engine, skipped in notes["skipped_modes"].items()
+            for mode, why in skipped.items()
+        )
+        print(
+            f"perf/sweep.py: error: no mode can run here ({left_out})", file=sys.stderr
+        )
+        return REFUSED
     print_summary(frame, args.out, notes)
-    return INTERRUPTED if interrupted else 0
+    return INTERRUPTED if notes["interrupted"] else 0
+
+
+def write_report(frame, out: Path, notes: dict[str, Any]) -> None:
+    """Write the report whole even if Ctrl-C comes meanwhile; a Ctrl-C then
+    marks the notes interrupted (they are written last)."""
+
+    def mark_interrupted(*_):
+        notes["interrupted"] = True
+
+    try:
+        previous = signal.signal(signal.SIGINT, mark_interrupted)
+    except ValueError:  # not the main thread, where Ctrl-C is never delivered
+        previous = None
+    try:
+        report.write(frame, out, notes)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def print_summary(frame, out: Path, notes: dict[str, Any]) -> None:

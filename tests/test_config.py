@@ -5,9 +5,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cg_extract.config import (
+    ADDITIONAL_CONFIG,
     ADDITIONAL_CONFIG_KEY,
     KEYS,
     ExtractGraphConfig,
+    merge_our_keys,
     split_speculative_config,
 )
 
@@ -106,6 +108,14 @@ def test_split_moves_only_our_keys():
         ("CudaGraph", "cudagraph"),
         ("cudagraph_capture_size", "cudagraph_capture_sizes"),
         ("cuda_graph_backend", "cudagraph_backend"),
+        ("cudagraph_sizes", "cudagraph_capture_sizes"),
+        ("capture_sizes", "cudagraph_capture_sizes"),
+        ("capture-sizes", "cudagraph_capture_sizes"),
+        ("cg_backend", "cudagraph_backend"),
+        ("graph_backend", "cudagraph_backend"),
+        ("enable_cudagraph", "cudagraph"),
+        ("use_cuda_graph", "cudagraph"),
+        ("cudagrpah", "cudagraph"),
     ],
 )
 def test_near_misses_of_our_keys_are_named(key, guess):
@@ -118,6 +128,66 @@ def test_near_misses_of_our_keys_are_named(key, guess):
         )
 
 
-def test_unrelated_unknown_keys_are_left_for_vllm():
-    theirs, ours = split_speculative_config({"method": "x", "banana": 1}, VLLM_KEYS)
-    assert theirs == {"method": "x", "banana": 1} and ours == {}
+@pytest.mark.parametrize("key", ["banana", "sizes", "max_sizes", "enable"])
+def test_unrelated_unknown_keys_are_left_for_vllm(key):
+    theirs, ours = split_speculative_config({"method": "x", key: 1}, VLLM_KEYS)
+    assert theirs == {"method": "x", key: 1} and ours == {}
+
+
+def test_vllms_own_keys_are_never_guessed_as_ours():
+    from vllm.config import SpeculativeConfig
+
+    fields = set(SpeculativeConfig.__dataclass_fields__)
+    spec = {key: None for key in fields}
+    theirs, ours = split_speculative_config(spec, fields)
+    assert theirs == spec and ours == {}
+
+
+def test_keys_given_in_additional_config_are_named_so():
+    with pytest.raises(
+        ValueError,
+        match=r"^additional_config\['cg_extract'\] key 'cudagraph' must be true",
+    ):
+        merge_our_keys({}, {"cudagraph": "yes"})
+    with pytest.raises(
+        ValueError,
+        match=r"^unknown additional_config\['cg_extract'\] key 'capture_sizes'; "
+        r"did you mean 'cudagraph_capture_sizes'\?",
+    ):
+        merge_our_keys({}, {"capture_sizes": [8]})
+    with pytest.raises(
+        ValueError, match=r"must be a dict of cg_extract keys.*got True"
+    ):
+        merge_our_keys({}, True)
+
+
+def test_merge_takes_keys_from_both_places_and_says_where():
+    cfg, sources = merge_our_keys(
+        {"cudagraph": True}, {"cudagraph_backend": "emulated", "cudagraph": True}
+    )
+    assert cfg == ExtractGraphConfig(True, None, "emulated")
+    assert sources == {
+        "cudagraph": "speculative config",
+        "cudagraph_backend": ADDITIONAL_CONFIG,
+    }
+    assert merge_our_keys({"cudagraph_capture_sizes": [1, 2]}, None)[0] == (
+        ExtractGraphConfig(False, (1, 2), "auto")
+    )
+
+
+def test_a_key_given_twice_with_different_values_is_an_error():
+    with pytest.raises(
+        ValueError,
+        match=r"\['cudagraph_capture_sizes'\] given in both the speculative config "
+        r"\(\{'cudagraph_capture_sizes': \[1, 2\]\}\) and "
+        r"additional_config\['cg_extract'\] \(\{'cudagraph_capture_sizes': \[1, 4\]\}\)",
+    ):
+        merge_our_keys(
+            {"cudagraph_capture_sizes": [1, 2], "cudagraph": True},
+            {"cudagraph_capture_sizes": [1, 4], "cudagraph": True},
+        )
+    # The same value in both (a list and a tuple compare as the same sizes).
+    cfg, _ = merge_our_keys(
+        {"cudagraph_capture_sizes": [1, 2]}, {"cudagraph_capture_sizes": (1, 2)}
+    )
+    assert cfg.cudagraph_capture_sizes == (1, 2)

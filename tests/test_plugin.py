@@ -39,14 +39,28 @@ def common_args(model_dir):
     )
 
 
-def cli_config(model_dir, parser_owner, spec):
+def cli_config(model_dir, parser_owner, spec, *more_argv):
     parser = parser_owner.add_cli_args(FlexibleArgumentParser())
     argv = [
         "--model", str(model_dir), "--load-format", "dummy",
         "--skip-tokenizer-init", "--dtype", "float32",
-        "--speculative-config", json.dumps(spec),
+        "--speculative-config", json.dumps(spec), *more_argv,
     ]  # fmt: skip
     return parser_owner.from_cli_args(parser.parse_args(argv)).create_engine_config()
+
+
+def run_python(code: str, vllm_plugins: str | None) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, with VLLM_PLUGINS set (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    if vllm_plugins is not None:
+        env["VLLM_PLUGINS"] = vllm_plugins
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_entry_point_is_declared():
@@ -143,9 +157,32 @@ def test_unsupported_vllm_is_refused(monkeypatch, version):
 
     monkeypatch.setattr(vllm, "__version__", version)
     with pytest.raises(
-        RuntimeError, match=rf"supports vLLM 0.32 and 0.33.*vLLM {version} is installed"
+        RuntimeError,
+        match=rf"supports vLLM 0.32 and 0.33.*vLLM {version} is installed. "
+        r"To use this vLLM without cg_extract, set VLLM_PLUGINS .*leaving out "
+        r"cg_extract \(VLLM_PLUGINS= loads none\), or run `pip uninstall cg-extract`",
     ):
         plugin.register()
+
+
+@pytest.mark.parametrize("plugins", [None, "", "some_other_plugin"])
+def test_the_way_out_of_the_version_refusal_works(plugins):
+    """With a vLLM we do not support, loading vLLM's plugins fails, and the
+    VLLM_PLUGINS setting the message names lets vLLM start without us."""
+    code = (
+        "import vllm\n"
+        "vllm.__version__ = '0.40.0'\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "print('vllm plugins loaded')\n"
+    )
+    proc = run_python(code, plugins)
+    if plugins is None:
+        assert proc.returncode != 0
+        assert "set VLLM_PLUGINS" in proc.stderr, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "vllm plugins loaded" in proc.stdout
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.1"])
@@ -179,6 +216,25 @@ BAD_INPUTS = [
         {"cuda_graph": True},
         r"unknown speculative config key 'cuda_graph'; did you mean 'cudagraph'",
     ),
+    (
+        {"cudagraph_sizes": [8]},
+        r"key 'cudagraph_sizes'; did you mean 'cudagraph_capture_sizes'",
+    ),
+    (
+        {"capture_sizes": [8]},
+        r"key 'capture_sizes'; did you mean 'cudagraph_capture_sizes'",
+    ),
+    ({"cg_backend": "cuda"}, r"key 'cg_backend'; did you mean 'cudagraph_backend'"),
+    ({"enable_cudagraph": True}, r"key 'enable_cudagraph'; did you mean 'cudagraph'"),
+    (
+        {"num_speculative_tokens": 2, "cudagraph": True},
+        r"speculative config key 'num_speculative_tokens' must be 1 with method "
+        r"'extract_hidden_states'.*got 2",
+    ),
+    (
+        {"num_speculative_tokens": 3, "cudagraph": False},
+        r"'num_speculative_tokens' must be 1.*got 3",
+    ),
 ]
 
 
@@ -191,6 +247,102 @@ def test_bad_input_fails_when_config_is_built(model_dir, keys, message):
 def test_bad_input_fails_on_the_cli_too(model_dir):
     with pytest.raises(ValueError, match="did you mean 'cudagraph'"):
         cli_config(model_dir, EngineArgs, speculative_config([1], cudagraphs=True))
+
+
+def test_several_speculative_tokens_without_our_keys_is_left_to_vllm(model_dir):
+    """Without our keys the config builds as vLLM builds it (its speculator
+    refuses later, as without the plugin)."""
+    cfg = build_vllm_config(model_dir, num_speculative_tokens=2)
+    assert cfg.speculative_config.num_speculative_tokens == 2
+    assert ExtractGraphConfig.from_vllm_config(cfg) == ExtractGraphConfig()
+
+
+ADDITIONAL = "additional_config"
+
+
+def test_keys_given_in_additional_config(model_dir):
+    cfg = build_vllm_config(
+        model_dir,
+        engine_args={ADDITIONAL: {"cg_extract": dict(OURS), "other_plugin": 1}},
+    )
+    assert ExtractGraphConfig.from_vllm_config(cfg) == EXPECTED
+    assert cfg.additional_config["other_plugin"] == 1
+    via_cli = cli_config(
+        model_dir,
+        EngineArgs,
+        speculative_config([1, 2, 3]),
+        "--additional-config",
+        json.dumps({"cg_extract": OURS}),
+    )
+    assert ExtractGraphConfig.from_vllm_config(via_cli) == EXPECTED
+
+
+def test_keys_from_both_places_merge(model_dir):
+    cfg = build_vllm_config(
+        model_dir,
+        engine_args={ADDITIONAL: {"cg_extract": {"cudagraph_backend": "emulated"}}},
+        cudagraph=True,
+        cudagraph_capture_sizes=[1, 2, 4, 8],
+    )
+    assert ExtractGraphConfig.from_vllm_config(cfg) == EXPECTED
+
+
+@pytest.mark.parametrize(
+    "direct, spec_keys, message",
+    [
+        (
+            {"cudagraph": "yes"},
+            {},
+            r"additional_config\['cg_extract'\] key 'cudagraph' must be true or false",
+        ),
+        (
+            {"cudagraph_capture_sizes": [8, 4096]},
+            {},
+            r"additional_config\['cg_extract'\] key 'cudagraph_capture_sizes' has "
+            r"\[4096\] above max_num_batched_tokens=2048",
+        ),
+        (
+            {"cg_backend": "emulated"},
+            {},
+            r"unknown additional_config\['cg_extract'\] key 'cg_backend'; did you "
+            r"mean 'cudagraph_backend'",
+        ),
+        (
+            {"cudagraph": False},
+            {"cudagraph": True},
+            r"\['cudagraph'\] given in both the speculative config "
+            r"\(\{'cudagraph': True\}\) and additional_config\['cg_extract'\] "
+            r"\(\{'cudagraph': False\}\) with different values",
+        ),
+        (
+            {"cudagraph": True},
+            {"num_speculative_tokens": 2},
+            r"'num_speculative_tokens' must be 1",
+        ),
+    ],
+)
+def test_bad_additional_config_keys(model_dir, direct, spec_keys, message):
+    with pytest.raises(ValueError, match=message):
+        build_vllm_config(
+            model_dir, engine_args={ADDITIONAL: {"cg_extract": direct}}, **spec_keys
+        )
+
+
+def test_additional_config_keys_with_another_method(model_dir):
+    with pytest.raises(
+        ValueError,
+        match=r"additional_config\['cg_extract'\] key 'cudagraph': cg_extract keys "
+        r"apply only to method 'extract_hidden_states', got method 'ngram'",
+    ):
+        EngineArgs(
+            **common_args(model_dir),
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_max": 3,
+            },
+            additional_config={"cg_extract": {"cudagraph": True}},
+        ).create_engine_config()
 
 
 def test_our_keys_with_another_method(model_dir):
@@ -225,14 +377,7 @@ def test_stock_vllm_rejects_the_key_without_the_plugin(model_dir):
         " dtype='float32', speculative_config={'method': 'extract_hidden_states',"
         " 'num_speculative_tokens': 1, 'cudagraph': True}).create_engine_config()\n"
     )
-    env = {**os.environ, "VLLM_PLUGINS": "none_of_them"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python(code, "none_of_them")
     assert proc.returncode != 0
     assert (
         "cudagraph" in proc.stderr and "Unexpected keyword argument" in proc.stderr

@@ -254,47 +254,6 @@ def test_default_sizes_follow_the_target(model_dir):
     )
 
 
-def test_unsafe_connector_is_refused_at_startup(model_dir):
-    kv = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
-    with pytest.raises(
-        ValueError,
-        match="cannot run with KV connector 'LMCacheConnectorV1'.*set 'cudagraph': false",
-    ):
-        build_vllm_config(
-            model_dir, engine_args={"kv_transfer_config": kv}, **GRAPH_KEYS
-        )
-    multi = {
-        "kv_connector": "MultiConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "connectors": [
-                {
-                    "kv_connector": "ExampleHiddenStatesConnector",
-                    "kv_role": "kv_producer",
-                },
-                {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
-            ]
-        },
-    }
-    with pytest.raises(ValueError, match="KV connector 'OffloadingConnector'"):
-        build_vllm_config(
-            model_dir, engine_args={"kv_transfer_config": multi}, **GRAPH_KEYS
-        )
-
-
-def test_hidden_states_connector_is_allowed(model_dir, tmp_path):
-    kv = {
-        "kv_connector": "ExampleHiddenStatesConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
-    }
-    cfg = build_vllm_config(
-        model_dir, engine_args={"kv_transfer_config": kv}, **GRAPH_KEYS
-    )
-    assert cfg.kv_transfer_config.kv_connector == "ExampleHiddenStatesConnector"
-    graph_speculator(cfg)
-
-
 def test_pipeline_parallel_is_refused(model_dir):
     cfg = build_vllm_config(model_dir, **GRAPH_KEYS)
     cfg.parallel_config.pipeline_parallel_size = 2

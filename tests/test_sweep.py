@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -264,6 +266,7 @@ def test_graph_mode_needs_cuda_and_says_so():
         (["--sizes", "-3"], "-3 is not a positive integer"),
         (["--iters", "0"], "0 is not a positive integer"),
         (["--layers", "1", "1"], "--layers has duplicates"),
+        (["--sizes", "1", "1"], "--sizes has duplicates: 1 1"),
         (["--engine", "speculator", "--hidden-size", "100"], "multiple of 64"),
         (
             ["--engine", "kernel", "--hidden-size", "1048576", "--sizes", "65536"],
@@ -362,6 +365,66 @@ def test_ctrl_c_keeps_the_finished_sizes(tmp_path, monkeypatch):
     assert json.loads(out.with_suffix(".meta.json").read_text())["interrupted"]
 
 
+def test_ctrl_c_while_the_report_is_written_keeps_the_rows(tmp_path, monkeypatch):
+    plot = report.plot
+
+    def interrupted_plot(frame, png):
+        os.kill(os.getpid(), signal.SIGINT)  # the real signal, as a user sends it
+        plot(frame, png)
+
+    monkeypatch.setattr(report, "plot", interrupted_plot)
+    out = tmp_path / "k.csv"
+    argv = ["--engine", "kernel", "--sizes", "1", "3", "--out", str(out)]
+    assert sweep.main([*argv, *TINY]) == sweep.INTERRUPTED
+    assert sorted(set(read_csv(out)["num_tokens"])) == [1, 3]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert json.loads(out.with_suffix(".meta.json").read_text())["interrupted"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_one_mode_without_upstream_writes_its_plot(tmp_path):
+    out = tmp_path / "k.csv"
+    argv = ["--engine", "kernel", "--modes", "eager", "--sizes", "1", "3"]
+    assert sweep.main([*argv, "--out", str(out), *TINY]) == 0
+    frame = read_csv(out)
+    assert set(frame["mode"]) == {"eager"} and frame["speedup_vs_upstream"].isna().all()
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_no_mode_that_can_run_is_refused_with_the_reason(tmp_path, capsys):
+    out = tmp_path / "k.csv"
+    argv = ["--engine", "kernel", "--modes", "graph", "--device", "cpu", "--sizes", "3"]
+    assert sweep.main([*argv, "--out", str(out), *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "no mode can run here (kernel/graph: real CUDA graphs need a CUDA" in err
+    assert not out.exists()  # no header-only CSV
+
+
+def test_plot_titles_the_engines_reference_and_keeps_each_series_colour(
+    tmp_path, monkeypatch
+):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    frame = pd.read_csv(REPO / "perf" / "baselines" / "cpu.csv")
+    for engines, title in [
+        (["kernel"], "Speedup vs vLLM's arithmetic in torch"),
+        (["speculator"], "Speedup vs vLLM's own speculator"),
+        (["speculator", "kernel"], "Speedup vs each engine's upstream"),
+    ]:
+        report.plot(frame[frame["engine"].isin(engines)], tmp_path / "p.png")
+        latency, speedup = figures.pop().axes
+        assert speedup.get_title() == title
+        colours = {line.get_label(): line.get_color() for line in latency.lines}
+        assert len(set(colours.values())) == len(colours) == 2 * len(engines)
+        plotted = [line for line in speedup.lines if line.get_label() in colours]
+        assert {line.get_label() for line in plotted} == {
+            f"{engine}/eager" for engine in engines
+        }
+        assert all(colours[line.get_label()] == line.get_color() for line in plotted)
+
+
 def test_kernel_engine_runs_without_vllm(tmp_path):
     """What a GPU machine without vLLM does: vLLM cannot be imported at all."""
     code = (
@@ -452,6 +515,28 @@ def test_kernel_sweep_on_cuda(tmp_path):
     assert (frame["p50_us"] > 0).all()
     launches = graph.loc[[3, 16], "launches_per_step"]
     assert ((launches > 0) & (launches < 10)).all(), launches
+    captured = json.loads(out.with_suffix(".meta.json").read_text())["graphs"]
+    assert captured["kernel"]["graph"]["graph_memory_bytes"] > 0
+    assert captured["kernel"]["graph"]["capture_time_s"] > 0
+
+
+def test_graph_capture_cost_goes_to_the_meta_json():
+    """Emulated here: the summary the sweep writes for every graph mode."""
+    engine = KernelEngine(params(), graph_backend="emulated")
+    with graph_steps_kept():
+        engine.build(["upstream", "eager", "graph", "graph_copy_in"])
+    summaries = sweep.graph_summaries(engine)
+    assert set(summaries) == {"graph", "graph_copy_in"}
+    graph, copy_in = summaries["graph"], summaries["graph_copy_in"]
+    assert set(graph["capture_times_s"]) == {"copy_in", "zero_copy"}
+    assert set(copy_in["capture_times_s"]) == {"copy_in"}
+    for summary in summaries.values():
+        per_size = summary["capture_times_s"]["copy_in"]
+        assert sorted(per_size) == list(params().capture_sizes)
+        assert all(t > 0 for t in per_size.values())
+        assert summary["capture_time_s"] >= sum(per_size.values())
+    assert graph["zero_copy_sizes"] == list(params().capture_sizes)
+    json.dumps(summaries)  # what report.write stores
 
 
 def test_emulated_counts_show_a_zero_copy_step(capsys):
