@@ -61,7 +61,7 @@ class SpeculatorGraphs(CudaGraphManager):
         self.backend = backend
         self.capture_sizes = capture_sizes
         self._shape = (num_layers, hidden_size, dtype)
-        self._write = write
+        self.write = write  # the captured step, as WriteGraphs takes it
         self.write_graphs: WriteGraphs | None = None
 
     def needs_capture(self) -> bool:
@@ -91,7 +91,7 @@ class SpeculatorGraphs(CudaGraphManager):
                 self.device,
                 self.backend,
                 *self._shape,
-                write=self._write,
+                write=self.write,
                 pool=self.pool,
                 graph_scope=self._vllm_graph_scope,
             )

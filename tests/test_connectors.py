@@ -117,7 +117,7 @@ def graph_speculator(model_dir, kv, dtype="float32", capture=True):
         ),
         num_blocks=16,
     )
-    target = attach_target_graph_outputs(loaded, max(SIZES))
+    target = attach_target_graph_outputs(loaded, SIZES)
     loaded.speculator.init_cudagraph_manager(CUDAGraphMode.FULL)
     if capture:
         loaded.speculator.capture()
@@ -308,7 +308,8 @@ def capture_with_metadata_bound(model_dir, monkeypatch=None, graph_write=None):
     spec = loaded.speculator
     with worker_connector(loaded) as connectors:
         if graph_write is not None:
-            monkeypatch.setattr(spec.graphs, "write", graph_write(spec))
+            # Graphs are built at capture, from their manager's step.
+            monkeypatch.setattr(spec.cudagraph_manager, "write", graph_write(spec))
         connectors.bind()
         assert connectors.worker.kv_connector.has_connector_metadata()
         spec.capture()
@@ -396,7 +397,7 @@ def test_a_connector_that_needs_piecewise_runs_eagerly(distributed, model_dir):
         ktc.kv_connector_extra_config
     )
     loaded = load_speculator(ExtractHiddenStatesSpeculator, cfg, num_blocks=16)
-    attach_target_graph_outputs(loaded, max(SIZES))
+    attach_target_graph_outputs(loaded, SIZES)
     loaded.speculator.init_cudagraph_manager(CUDAGraphMode.PIECEWISE)
     loaded.speculator.capture()
     assert loaded.speculator.graphs is None
