@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = build_vllm_config(model_dir, engine_args={"kv_transfer_config": kv}, **keys)
     loaded = load_speculator(ExtractHiddenStatesSpeculator, cfg, device, num_blocks=16)
     spec = loaded.speculator
-    attach_target_graph_outputs(loaded, [args.tokens])
+    # Kept alive: the plugin holds the target's buffers by weak reference only.
+    _target = attach_target_graph_outputs(loaded, [args.tokens])
     spec.init_cudagraph_manager(CUDAGraphMode.FULL)
     spec.capture()
     inputs = make_step_inputs(loaded, args.tokens, torch.Generator().manual_seed(0))
