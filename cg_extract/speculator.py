@@ -20,10 +20,11 @@ One step, from ``propose`` to the KV cache:
    * eager: no graph fits (``n`` above the largest size, nothing captured
      yet, graphs off).
 
-3. Every path ends in :meth:`_write`: each aux hidden state is scattered
-   straight to ``kv_cache[slot // block_size, layer, slot % block_size]``
-   (slot -1 lands in the null block 0, as in vLLM's cache-only layer), then
-   the layer's KV-connector hooks run as vLLM's layer runs them.
+3. Every path ends in :meth:`_write`: one op
+   (:mod:`cg_extract.write_op`) scatters each aux hidden state straight to
+   ``kv_cache[slot // block_size, layer, slot % block_size]`` and writes
+   nothing for slot -1 (vLLM's cache-only layer sends it to the null block
+   0), then the layer's KV-connector hooks run as vLLM's layer runs them.
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from cg_extract import target_buffers
-from cg_extract.cache_write import write_per_layer
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.config import ExtractGraphConfig
 from cg_extract.write_graphs import GraphInputs, WriteGraphs
+from cg_extract.write_op import write_hidden_states
 
 logger = init_logger(__name__)
 
@@ -130,6 +131,9 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
     # ------------------------------------------------------------------
     # The write
 
+    # The op every path runs; the sweep's per-layer reference mode swaps it.
+    write_cache = staticmethod(write_hidden_states)
+
     def _write(self, aux_hidden_states: Sequence[torch.Tensor], slots: torch.Tensor):
         """Scatter into the KV cache, then the layer's KV-connector hooks.
 
@@ -138,7 +142,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         ``dummy_attention``, whose ``maybe_transfer_kv_layer`` decorator calls
         the connector's ``wait_for_layer_load`` and ``save_kv_layer``.
         """
-        write_per_layer(aux_hidden_states, self.cache_layer.kv_cache, slots)
+        self.write_cache(aux_hidden_states, self.cache_layer.kv_cache, slots)
         dummy_attention(self.layer_name, self._placeholder)
 
     # ------------------------------------------------------------------

@@ -5,7 +5,7 @@ Two sets of graphs over the same capture sizes, both replaying the caller's
 
 * copy-in graphs read static buffers this class owns. ``run`` stacks the aux
   hidden states into them (one kernel), copies slots and padding mask, points
-  the padded tail at slot -1 (the null block) and replays;
+  the padded tail at slot -1 (which the write skips) and replays;
 * zero-copy graphs read the target's persistent buffers directly: after a
   FULL graph replay of the target, ``propose`` is handed views of exactly
   those. ``run`` checks address, shape, stride and dtype of every input and,
@@ -14,7 +14,7 @@ Two sets of graphs over the same capture sizes, both replaying the caller's
 
 No vLLM here: the speculator supplies a ``write`` that adds vLLM's forward
 context and connector hooks, the ``kernel`` sweep and the GPU tests supply
-:func:`cg_extract.cache_write.write_per_layer`.
+:data:`cg_extract.write_op.write_hidden_states` alone.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.cudagraph_manager import CudaGraphManager
 
-PAD_SLOT_ID = -1  # vLLM's padding slot; the cache write sends it to block 0
+PAD_SLOT_ID = -1  # vLLM's padding slot; the cache write skips it
 
 Write = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor], None]
 
