@@ -67,8 +67,22 @@ def write_owned_slots(
     block_size = kv_cache.shape[2]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping.remainder(block_size)
+    if len(slot_mapping) <= STACK_UP_TO:
+        # One scatter of all layers: the stack costs less than L - 1 more
+        # scatters at this size.
+        stacked = torch.stack(list(aux_hidden_states), dim=1)
+        # aten's overload, unlike Tensor.index_put_, takes None for a whole dim
+        torch.ops.aten.index_put_.default(kv_cache, [blocks, None, offsets], stacked)
+        return
     for layer, hidden in enumerate(aux_hidden_states):
         kv_cache.select(1, layer).index_put_((blocks, offsets), hidden)
+
+
+# Tokens up to which the CPU body stacks the layers and scatters once. Measured
+# on a 2-core EPYC (bf16, H 1024, L 3): 9.5 us against 13.5 us per layer at 1
+# token, 23.5 against 26.4 at 16, even at 32, worse above (the stack copies
+# the payload once more).
+STACK_UP_TO = 16
 
 
 def check_write_args(
@@ -78,40 +92,52 @@ def check_write_args(
 ) -> None:
     """Raise ``ValueError`` naming the argument unless the three agree:
     ``L`` aux hidden states of ``[n, H]``, a ``[num_blocks, L, block_size, H]``
-    cache of their dtype and device, ``n`` integer slots."""
-    if kv_cache.dim() != 4:
+    cache of their dtype and device, ``n`` int32 or int64 slots on it.
+
+    Every step runs this, so the passing case is a few comparisons; the
+    messages are built only on failure.
+    """
+    shape = kv_cache.shape
+    dtype, device = kv_cache.dtype, kv_cache.device
+    want = (slot_mapping.shape[0], shape[-1]) if slot_mapping.dim() == 1 else None
+    if (
+        len(shape) == 4
+        and want is not None
+        and len(aux_hidden_states) == shape[1]
+        and slot_mapping.dtype in _SLOT_DTYPES
+        and slot_mapping.device == device
+        and all(
+            h.shape == want and h.dtype == dtype and h.device == device
+            for h in aux_hidden_states
+        )
+    ):
+        return
+    if len(shape) != 4:
         raise ValueError(
-            f"kv_cache has shape {list(kv_cache.shape)}; expected "
+            f"kv_cache has shape {list(shape)}; expected "
             "[num_blocks, num_layers, block_size, hidden_size]"
         )
-    _, num_layers, _, hidden_size = kv_cache.shape
-    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
+    if want is None or slot_mapping.dtype not in _SLOT_DTYPES:
         raise ValueError(
             f"slot_mapping is {slot_mapping.dtype} of shape "
             f"{list(slot_mapping.shape)}; expected one int32 or int64 slot per token"
         )
-    if len(aux_hidden_states) != num_layers:
+    if len(aux_hidden_states) != shape[1]:
         raise ValueError(
             f"{len(aux_hidden_states)} aux hidden states for a cache of "
-            f"{num_layers} layers (kv_cache shape {list(kv_cache.shape)})"
+            f"{shape[1]} layers (kv_cache shape {list(shape)})"
         )
-    want = (len(slot_mapping), hidden_size)
     for layer, hidden in enumerate(aux_hidden_states):
-        if (
-            hidden.shape != want
-            or hidden.dtype != kv_cache.dtype
-            or hidden.device != kv_cache.device
-        ):
+        if hidden.shape != want or hidden.dtype != dtype or hidden.device != device:
             raise ValueError(
                 f"aux hidden state {layer} is {hidden.dtype} {list(hidden.shape)} "
-                f"on {hidden.device}; expected {kv_cache.dtype} {list(want)} on "
-                f"{kv_cache.device} (one row per slot, the cache's hidden size, "
-                "dtype and device)"
+                f"on {hidden.device}; expected {dtype} {list(want)} on {device} "
+                "(one row per slot, the cache's hidden size, dtype and device)"
             )
-    if slot_mapping.device != kv_cache.device:
-        raise ValueError(
-            f"slot_mapping is on {slot_mapping.device}, kv_cache on {kv_cache.device}"
-        )
+    raise ValueError(f"slot_mapping is on {slot_mapping.device}, kv_cache on {device}")
+
+
+_SLOT_DTYPES = (torch.int32, torch.int64)
 
 
 def payload_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype) -> int:
