@@ -74,8 +74,8 @@ def write_owned_slots(
         # aten's overload, unlike Tensor.index_put_, takes None for a whole dim
         torch.ops.aten.index_put_.default(kv_cache, [blocks, None, offsets], stacked)
         return
-    for layer, hidden in enumerate(aux_hidden_states):
-        kv_cache.select(1, layer).index_put_((blocks, offsets), hidden)
+    for layer_cache, hidden in zip(kv_cache.unbind(1), aux_hidden_states, strict=True):
+        layer_cache.index_put_((blocks, offsets), hidden)
 
 
 # Tokens up to which the CPU body stacks the layers and scatters once. Measured

@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_BLOCK_H = 1024
+# Hidden values per program: whole rows up to this width (a power of two,
+# at least 16 lanes so tiny sizes compile like real ones).
+MIN_BLOCK_H, MAX_BLOCK_H = 16, 1024
 
 
 @triton.jit
@@ -68,7 +70,7 @@ def write_owned_slots(
     hidden_size = kv_cache.shape[3]
     if num_tokens == 0:
         return
-    block_h = min(triton.next_power_of_2(hidden_size), MAX_BLOCK_H)
+    block_h = min(max(triton.next_power_of_2(hidden_size), MIN_BLOCK_H), MAX_BLOCK_H)
     grid = (num_tokens, triton.cdiv(hidden_size, block_h))
     _write_kernel[grid](
         tuple(aux_hidden_states),
