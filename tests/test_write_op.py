@@ -1,10 +1,7 @@
 """torch.ops.cg_extract.write_hidden_states: its torch body against vLLM's
 ``basic_cache``, bad arguments, what a dispatch mode sees of it, the emulated
-graph contract through it, its Triton kernel under Triton's interpreter (in a
-process of its own) and, where there is a GPU, on CUDA and in a CUDA graph.
-
-Imports no vLLM at module import: ``perf/gpu_check.sh`` runs the cuda-marked
-tests here on a GPU machine without it.
+graph contract through it, and its Triton kernel under Triton's interpreter
+(in a process of its own; on a GPU: ``tests/test_write_kernel_cuda.py``).
 """
 
 from __future__ import annotations
@@ -18,26 +15,23 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from cg_extract.cache_write import write_per_layer
 from cg_extract.cudagraph_manager import CudaGraphManager, StaticMemoryViolation
 from cg_extract.write_op import write_hidden_states
 from perf.measure import count_step
-from tests.write_cases import DTYPES, LAYOUTS, WriteCase, write_case
+from tests.write_cases import (
+    DTYPES,
+    LAYOUTS,
+    WriteCase,
+    any_write_case,
+    run_op,
+    same_bytes,
+    write_case,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 OP_NAME = "cg_extract.write_hidden_states.default"
-
-
-def run_op(case: WriteCase) -> torch.Tensor:
-    cache = case.fresh_cache()
-    write_hidden_states(case.aux, cache, case.slots)
-    return cache
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
 
 
 # --------------------------------------------------------------------------
@@ -75,42 +69,10 @@ def test_owned_slots_match_vllms_basic_cache(dtype, hidden_size, layout):
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**31),
-    num_tokens=st.integers(0, 40),
-    num_layers=st.integers(1, 8),
-    hidden_size=st.integers(1, 80),
-    block_size=st.sampled_from([1, 3, 16]),
-    dtype=st.sampled_from(DTYPES),
-    layout=st.sampled_from(LAYOUTS),
-    slot_dtype=st.sampled_from([torch.int64, torch.int32]),
-    data=st.data(),
-)
-def test_writes_exactly_the_owned_rows(
-    seed,
-    num_tokens,
-    num_layers,
-    hidden_size,
-    block_size,
-    dtype,
-    layout,
-    slot_dtype,
-    data,
-):
+@given(case=any_write_case(max_tokens=40, max_layers=8, max_hidden=80))
+def test_writes_exactly_the_owned_rows(case):
     """Any shape, any padding pattern: the cache equals the element-by-element
     reference, every byte not owned by a real token as it was."""
-    padding = data.draw(st.sets(st.integers(0, max(num_tokens - 1, 0))))
-    case = write_case(
-        torch.Generator().manual_seed(seed),
-        num_tokens=num_tokens,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        dtype=dtype,
-        layout=layout,
-        padding=sorted(p for p in padding if p < num_tokens),
-        block_size=block_size,
-        slot_dtype=slot_dtype,
-    )
     assert same_bytes(run_op(case), case.expected())
 
 
@@ -275,58 +237,3 @@ def test_triton_kernel_under_the_interpreter():
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
-
-
-CUDA_CASES = [
-    (dtype, hidden_size, num_layers, layout)
-    for dtype in DTYPES
-    for hidden_size in (1, 100, 1024, 4096, 5000)
-    for num_layers, layout in zip((1, 3, 4), LAYOUTS, strict=True)
-]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype, hidden_size, num_layers, layout", CUDA_CASES, ids=str)
-def test_kernel_on_cuda_matches_the_torch_body(dtype, hidden_size, num_layers, layout):
-    case = write_case(
-        torch.Generator().manual_seed(hidden_size),
-        num_tokens=300,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        dtype=dtype,
-        layout=layout,
-        padding=[0, 5, *range(290, 300)],
-    )
-    got = run_op(case.to("cuda"))
-    torch.cuda.synchronize()
-    assert same_bytes(got, run_op(case))
-    assert same_bytes(got, case.expected())
-
-
-@pytest.mark.cuda
-def test_kernel_in_a_real_cuda_graph():
-    """Captured once over static inputs, replayed over new values and new
-    padding: each replay equals the torch body, block 0 and padding untouched."""
-    case = write_case(
-        torch.Generator().manual_seed(0), 64, 4, 1000, torch.bfloat16, "stacked", []
-    ).to("cuda")
-    aux = [a.clone() for a in case.aux]
-    slots = case.slots.clone()
-    cache = case.fresh_cache()
-    manager = CudaGraphManager([16, 64], "cuda", "cuda")
-    manager.capture(
-        lambda n: write_hidden_states([a[:n] for a in aux], cache, slots[:n]),
-        progress=False,
-    )
-    for seed in range(20):
-        new = write_case(
-            torch.Generator().manual_seed(seed),
-            64, 4, 1000, torch.bfloat16, "stacked", padding=list(range(seed, 64, 7)),
-        )  # fmt: skip
-        for static, values in zip(aux, new.aux, strict=True):
-            static.copy_(values)
-        slots.copy_(new.slots)
-        cache.copy_(new.initial)
-        manager.replay(64)
-        torch.cuda.synchronize()
-        assert same_bytes(cache, new.expected()), f"replay {seed}"

@@ -1,5 +1,6 @@
 """Inputs for the hidden-state write op and the cache they must leave, shared
-by its CPU, interpreted-Triton and CUDA tests. Torch only."""
+by its CPU, interpreted-Triton and CUDA tests. Torch only (hypothesis only
+for :func:`any_write_case`)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,41 @@ def write_case(
         raise ValueError(f"layout {layout!r}; expected one of {LAYOUTS}")
     initial = torch.randn(num_blocks, L, block_size, H, generator=gen).to(dtype)
     return WriteCase(aux, slots.to(slot_dtype), initial)
+
+
+def run_op(case: WriteCase) -> torch.Tensor:
+    """The cache after ``write_hidden_states`` on the case, on its device."""
+    from cg_extract.write_op import write_hidden_states
+
+    cache = case.fresh_cache()
+    write_hidden_states(case.aux, cache, case.slots)
+    return cache
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact (NaN payloads, signed zeros), on any devices."""
+    return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+
+
+def any_write_case(max_tokens: int, max_layers: int, max_hidden: int):
+    """A hypothesis strategy: any size, layout, dtype, block size, slot dtype
+    and padding pattern (padding anywhere, not only in the tail)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw) -> WriteCase:
+        num_tokens = draw(st.integers(0, max_tokens))
+        padding = draw(st.sets(st.integers(0, max(num_tokens - 1, 0))))
+        return write_case(
+            torch.Generator().manual_seed(draw(st.integers(0, 2**31))),
+            num_tokens=num_tokens,
+            num_layers=draw(st.integers(1, max_layers)),
+            hidden_size=draw(st.integers(1, max_hidden)),
+            dtype=draw(st.sampled_from(DTYPES)),
+            layout=draw(st.sampled_from(LAYOUTS)),
+            padding=sorted(p for p in padding if p < num_tokens),
+            block_size=draw(st.sampled_from([1, 3, 16])),
+            slot_dtype=draw(st.sampled_from([torch.int64, torch.int32])),
+        )
+
+    return cases()
