@@ -138,7 +138,8 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         """Scatter into the KV cache, then the layer's KV-connector hooks.
 
         Byte-identical to ``CacheOnlyAttentionLayer.forward`` on the stacked
-        states, without stacking them: ``unified_kv_cache_update`` followed by
+        states in every slot a token owns (padding lands nowhere, not even in
+        block 0), without stacking them: ``unified_kv_cache_update`` followed by
         ``dummy_attention``, whose ``maybe_transfer_kv_layer`` decorator calls
         the connector's ``wait_for_layer_load`` and ``save_kv_layer``.
         """
