@@ -20,10 +20,11 @@ One step, from ``propose`` to the KV cache:
    * eager: no graph fits (``n`` above the largest size, nothing captured
      yet, graphs off).
 
-3. Every path writes through :meth:`_write`: each aux hidden state is
-   scattered straight to ``kv_cache[slot // block_size, layer, slot %
-   block_size]`` (slot -1 lands in the null block 0, as in vLLM's cache-only
-   layer).
+3. Every path writes through :meth:`_write`: one op
+   (:mod:`cg_extract.write_op`) scatters each aux hidden state straight to
+   ``kv_cache[slot // block_size, layer, slot % block_size]`` and writes
+   nothing for slot -1 (vLLM's cache-only layer sends it to the null block
+   0).
 4. Then the layer's KV-connector hooks run on the host, through vLLM's own
    ``dummy_attention`` under the step's forward context, as the cache-only
    layer runs them: after the write, eagerly or after the replay. A graph
@@ -52,11 +53,11 @@ from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from cg_extract import get_logger, target_buffers
-from cg_extract.cache_write import write_per_layer
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.config import ExtractGraphConfig
 from cg_extract.vllm_graphs import SpeculatorGraphs
 from cg_extract.write_graphs import GraphInputs, WriteGraphs
+from cg_extract.write_op import write_hidden_states
 
 logger = get_logger(__name__)
 
@@ -140,13 +141,17 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
     # ------------------------------------------------------------------
     # The write
 
+    # The op every path runs; the sweep's per-layer reference mode swaps it.
+    write_cache = staticmethod(write_hidden_states)
+
     def _write(self, aux_hidden_states: Sequence[torch.Tensor], slots: torch.Tensor):
         """Scatter into the KV cache: the device work of the cache-only layer.
 
-        Byte-identical to ``unified_kv_cache_update`` on the stacked states,
-        without stacking them. Graphs capture this and nothing else.
+        Byte-identical to ``unified_kv_cache_update`` on the stacked states
+        in every slot a token owns (padding lands nowhere, not even in block
+        0), without stacking them. Graphs capture this and nothing else.
         """
-        write_per_layer(aux_hidden_states, self.cache_layer.kv_cache, slots)
+        self.write_cache(aux_hidden_states, self.cache_layer.kv_cache, slots)
 
     def _run_connector_hooks(self) -> None:
         """The cache-only layer's connector hooks, by vLLM's own code path.

@@ -5,7 +5,7 @@ Two sets of graphs over the same capture sizes, both replaying the caller's
 
 * copy-in graphs read static buffers this class owns. ``run`` stacks the aux
   hidden states into them (one kernel), copies slots and padding mask, points
-  the padded tail at slot -1 (the null block) and replays;
+  the padded tail at slot -1 (which the write skips) and replays;
 * zero-copy graphs read the target's persistent buffers directly: after a
   FULL graph replay of the target, ``propose`` is handed views of exactly
   those. They exist for the sizes the caller names (the target's FULL
@@ -22,7 +22,7 @@ the caller's memory accounting should see them (the speculator builds it in
 
 No vLLM here, and only device work in ``write``: the speculator runs vLLM's
 connector hooks on the host after a replay; the ``kernel`` sweep and the GPU
-tests supply :func:`cg_extract.cache_write.write_per_layer`.
+tests supply :data:`cg_extract.write_op.write_hidden_states` alone.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from cg_extract.cudagraph_manager import (
     default_graph_scope,
 )
 
-PAD_SLOT_ID = -1  # vLLM's padding slot; the cache write sends it to block 0
+PAD_SLOT_ID = -1  # vLLM's padding slot; the cache write skips it
 
 Write = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor], None]
 

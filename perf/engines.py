@@ -170,7 +170,8 @@ def estimate_bytes(params: Params, num_runners: int) -> int:
 
 
 def caches_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Byte-for-byte equality outside block 0, the null block padding writes to."""
+    """Byte-for-byte equality outside block 0, the null block where vLLM's
+    write sends padding (ours writes padding nowhere)."""
     return torch.equal(_bytes(a[1:]), _bytes(b[1:]))
 
 

@@ -2,8 +2,10 @@
 
 For a GPU machine without vLLM. Each mode runs the code the matching
 speculator runs, less vLLM's forward context and connector hooks (Python, no
-device work): :mod:`cg_extract.cache_write` and, for the graph modes,
-:class:`~cg_extract.write_graphs.WriteGraphs`. Imports no vLLM.
+device work): the write op (:mod:`cg_extract.write_op`) and, for the graph
+modes, :class:`~cg_extract.write_graphs.WriteGraphs`; ``per_layer`` is the
+write before the op, one scatter per aux layer (:mod:`cg_extract.cache_write`).
+Imports no vLLM.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from cg_extract.cache_write import write_per_layer, write_stacked
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.write_graphs import PAD_SLOT_ID, GraphInputs, WriteGraphs
+from cg_extract.write_op import write_hidden_states
 from perf.engines import Engine, Mode, Params, Runner, require_cuda_graphs
 
 MAX_NUM_REQS = 256
@@ -58,23 +61,30 @@ class UpstreamKernel(Runner):
 
 
 class EagerKernel(Runner):
-    """Our eager path: the fused write, each aux hidden state scattered
-    straight to its cache slot."""
+    """Our eager path: the write op, each aux hidden state scattered
+    straight to its cache slot (``per_layer``: the same through one scatter
+    per layer, the write before the op)."""
 
-    mode = "eager"
-
-    def __init__(self, engine: KernelEngine, kv_cache: torch.Tensor | None = None):
+    def __init__(
+        self,
+        engine: KernelEngine,
+        kv_cache: torch.Tensor | None = None,
+        mode: str = "eager",
+        write=write_hidden_states,
+    ):
+        self.mode = mode
+        self.write = write
         self.kv_cache = engine.new_cache() if kv_cache is None else kv_cache
 
     def step(self, inputs: KernelInputs) -> torch.Tensor:
         draft = draft_tokens(inputs)
-        write_per_layer(inputs.aux_hidden_states, self.kv_cache, inputs.slot_mapping)
+        self.write(inputs.aux_hidden_states, self.kv_cache, inputs.slot_mapping)
         return draft
 
 
 class GraphKernel(Runner):
     """Our graph path (:class:`~cg_extract.write_graphs.WriteGraphs` over the
-    fused write); above the largest capture size, the eager path.
+    write op); above the largest capture size, the eager path.
 
     ``in_place``: the inputs arrive as views of persistent buffers, as after a
     FULL graph replay of the target, so captured sizes replay with no copy.
@@ -94,7 +104,7 @@ class GraphKernel(Runner):
             p.num_layers,
             p.hidden_size,
             p.torch_dtype,
-            write=lambda aux, slots, is_padding: write_per_layer(
+            write=lambda aux, slots, is_padding: write_hidden_states(
                 aux, self.kv_cache, slots
             ),
         )
@@ -155,7 +165,12 @@ class KernelEngine(Engine):
             "stack into a temporary, copy into a buffer, write_stacked",
             UpstreamKernel,
         ),
-        "eager": Mode("eager", "the fused write, write_per_layer", EagerKernel),
+        "eager": Mode("eager", "the write op, write_hidden_states", EagerKernel),
+        "per_layer": Mode(
+            "per_layer",
+            "the write before the op: one scatter per aux layer, write_per_layer",
+            lambda engine: EagerKernel(engine, mode="per_layer", write=write_per_layer),
+        ),
         "graph": Mode(
             "graph",
             "inputs in persistent buffers (target replayed a FULL graph): "

@@ -203,6 +203,8 @@ def count_step(step: Step) -> StepCount:
 _NO_DATA = ("empty", "empty_strided", "empty_like", "new_empty")
 _SCATTERS = ("index_put_", "index_put", "_index_put_impl_")
 _GATHERS = ("index", "index_select", "gather")
+# cg_extract.write_op: reads the slots, and the rows of owned (>= 0) slots only.
+_SLOT_WRITES = ("write_hidden_states",)
 
 
 def bytes_moved(func, args, kwargs, out) -> int:
@@ -213,6 +215,9 @@ def bytes_moved(func, args, kwargs, out) -> int:
       elements as the index selects, not the whole destination;
     * gathers (``x[idx]``) read as many elements as they return, plus the
       indices, and write their output;
+    * the hidden-state write op reads every slot, and reads and writes the
+      ``L`` rows of each token whose slot is not padding (reading the slots
+      here is a host sync, fine for a step that is counted, never timed);
     * every other op reads its tensor arguments and writes either its mutable
       arguments (``copy_``, ``out=``) or, if it has none, its outputs.
 
@@ -228,6 +233,11 @@ def bytes_moved(func, args, kwargs, out) -> int:
         index_bytes = sum(_nbytes(i) for i in indices if i is not None)
         written = _indexed_numel(dest.shape, indices) * dest.element_size()
         return _nbytes(values) + index_bytes + written
+    if name in _SLOT_WRITES:
+        aux, slots = args[0], args[2]
+        owned = int((slots >= 0).sum())
+        row_bytes = sum(h.shape[-1] * h.element_size() for h in aux)
+        return _nbytes(slots) + 2 * owned * row_bytes
     outputs = sum(_nbytes(t) for t in _tensors(out))
     if name in _GATHERS:
         index_bytes = sum(_nbytes(t) for t in _tensors(args[1:]))

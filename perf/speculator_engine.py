@@ -4,7 +4,8 @@ Each mode is a speculator built the way the MRv2 runner builds one: from a
 ``VllmConfig`` (a Llama ``config.json`` with ``load_format="dummy"``), with
 vLLM's cache-only draft model loaded and a real KV cache bound to its layer
 (:mod:`cg_extract.testing`). ``upstream`` is vLLM's own class, ``eager`` and
-``graph`` are ours with ``cudagraph`` false and true.
+``graph`` are ours with ``cudagraph`` false and true, ``per_layer`` ours
+eager with the write before the op (one scatter per aux layer).
 
 vLLM is imported inside functions only, so that ``--help`` and input checks
 stay fast and the module can be imported where vLLM is absent.
@@ -63,6 +64,20 @@ def eager_runner(engine: SpeculatorEngine) -> SpeculatorRunner:
     runner = SpeculatorRunner(
         engine, "eager", ExtractHiddenStatesSpeculator, cudagraph=False
     )
+    _init_graphs_as_the_runner_does(runner)
+    return runner
+
+
+def per_layer_runner(engine: SpeculatorEngine) -> SpeculatorRunner:
+    """Ours eager, its one write op swapped for the write before it: the
+    reference that prices the op's dispatch in the same run."""
+    from cg_extract.cache_write import write_per_layer
+    from cg_extract.speculator import ExtractHiddenStatesSpeculator
+
+    class PerLayerWrite(ExtractHiddenStatesSpeculator):
+        write_cache = staticmethod(write_per_layer)
+
+    runner = SpeculatorRunner(engine, "per_layer", PerLayerWrite, cudagraph=False)
     _init_graphs_as_the_runner_does(runner)
     return runner
 
@@ -131,6 +146,11 @@ class SpeculatorEngine(Engine):
     MODES = {
         "upstream": Mode("upstream", "vLLM's own eager speculator", upstream_runner),
         "eager": Mode("eager", "ours, cudagraph false", eager_runner),
+        "per_layer": Mode(
+            "per_layer",
+            "ours, cudagraph false, the write before the op (a scatter per layer)",
+            per_layer_runner,
+        ),
         "graph": Mode(
             "graph",
             "ours, cudagraph true, inputs in the target's persistent buffers "

@@ -39,9 +39,11 @@ def test_eager_matches_upstream_over_random_batches(pair):
             list(pair), n, seed, num_padding=pad
         )
         assert torch.equal(up_tokens, our_tokens)
-        assert torch.equal(upstream.kv_cache, ours.kv_cache), (
+        # Upstream sends padding to the null block 0; ours writes it nowhere.
+        assert torch.equal(upstream.kv_cache[1:], ours.kv_cache[1:]), (
             f"caches differ at seed {seed}, n={n}"
         )
+        assert not ours.kv_cache[0].any(), f"block 0 written at seed {seed}"
         # The connector reads back exactly what the target produced.
         stacked = torch.stack(inputs.aux_hidden_states, dim=1)[:n]
         assert torch.equal(
@@ -58,15 +60,20 @@ def test_draft_tokens_are_last_sampled_of_each_request(pair):
     assert torch.equal(tokens, inputs.kwargs["last_sampled"][batch.idx_mapping, :1])
 
 
-def test_padding_goes_to_the_null_block_only(pair):
-    _, ours = pair
-    ours.kv_cache.zero_()
-    inputs = make_step_inputs(ours, 10, torch.Generator().manual_seed(3), num_padding=6)
-    ours.speculator.propose(**inputs.kwargs)
+def test_padding_is_written_nowhere(pair):
+    upstream, ours = pair
+    for loaded in pair:
+        loaded.kv_cache.zero_()
+        inputs = make_step_inputs(
+            loaded, 10, torch.Generator().manual_seed(3), num_padding=6
+        )
+        loaded.speculator.propose(**inputs.kwargs)
     touched = ours.kv_cache.flatten(1).abs().sum(1) != 0
     owned = set((inputs.slots // ours.block_size).tolist())
-    assert touched[0], "padding tokens land in block 0"
-    assert set(touched.nonzero().flatten().tolist()) - {0} == owned
+    assert set(touched.nonzero().flatten().tolist()) == owned, (
+        "only the blocks of real tokens are written; padding not even block 0"
+    )
+    assert upstream.kv_cache[0].any(), "vLLM's own class sends padding to block 0"
 
 
 def test_skip_attn_dummy_run_writes_nothing(pair):

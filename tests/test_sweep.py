@@ -222,12 +222,9 @@ def test_zero_copy_replay_is_the_only_write_work(num_tokens):
     moving = [op.name for op in count.dispatched if op.bytes]  # views move nothing
     assert moving == ["aten.index.Tensor"]
     payload = engine.payload_bytes(num_tokens)
-    replayed_writes = [op for op in count.replayed if "index_put" in op.name]
-    assert len(replayed_writes) == len(inputs.aux_hidden_states)
-    assert (
-        sum(op.bytes for op in replayed_writes)
-        == 2 * payload + len(inputs.aux_hidden_states) * 2 * num_tokens * 8
-    )  # block and offset indices, int64
+    (replayed_write,) = count.replayed  # the write op, nothing else
+    assert replayed_write.name == "cg_extract.write_hidden_states.default"
+    assert replayed_write.bytes == 2 * payload + num_tokens * 8  # int64 slots
     copy_in = engine.runners["graph_copy_in"]
     assert len(count_step(lambda: copy_in.step(inputs)).dispatched) > 1
 
@@ -336,9 +333,9 @@ def test_kernel_sweep_writes_csv_png_meta_and_table(tmp_path, capsys):
     argv = ["--engine", "kernel", "--sizes", "1", "3", "40", "--out", str(out)]
     assert sweep.main([*argv, *TINY]) == 0
     frame = read_csv(out)
-    assert len(frame) == 6  # upstream and eager x 3 sizes; graph left out on CPU
-    assert set(frame["mode"]) == {"upstream", "eager"}
-    assert frame.loc[frame["mode"] == "eager", "bit_exact"].all()
+    assert len(frame) == 9  # 3 eager modes x 3 sizes; graph left out on CPU
+    assert set(frame["mode"]) == {"upstream", "eager", "per_layer"}
+    assert frame.loc[frame["mode"] != "upstream", "bit_exact"].all()
     assert frame["gpu_util_pct"].isna().all()  # no NVML on CPU: empty, not 0
     assert (frame["ops_per_step"] > 0).all()
     assert (frame["bytes_per_step"] >= 2 * frame["payload_bytes"]).all()
@@ -452,10 +449,11 @@ def test_speculator_sweep_is_bit_exact(tmp_path, vllm_available):
     assert sweep.main([*argv, *TINY]) == 0
     frame = read_csv(out)
     assert sorted(zip(frame["mode"], frame["num_tokens"], strict=True)) == [
-        ("eager", 3), ("eager", 40), ("upstream", 3), ("upstream", 40),
+        ("eager", 3), ("eager", 40), ("per_layer", 3), ("per_layer", 40),
+        ("upstream", 3), ("upstream", 40),
     ]  # fmt: skip
-    eager = frame[frame["mode"] == "eager"]
-    assert eager["bit_exact"].all()
+    ours = frame[frame["mode"] != "upstream"]
+    assert ours["bit_exact"].all()
     assert frame.loc[frame["mode"] == "upstream", "bit_exact"].isna().all()
     notes = json.loads(out.with_suffix(".meta.json").read_text())
     if not torch.cuda.is_available():
@@ -549,5 +547,7 @@ def test_emulated_counts_show_a_zero_copy_step(capsys):
         line.split()[0]: line.split()
         for line in capsys.readouterr().out.splitlines()[1:]
     }
-    assert rows["graph"][1:4] == ["8", "2", "1"]  # tokens, dispatched, moving
-    assert float(rows["upstream"][-1]) > 2.99 and float(rows["graph"][-1]) < 1.02
+    # tokens, dispatched, moving, replayed
+    assert rows["graph"][1:5] == ["8", "2", "1", "1"]
+    assert float(rows["upstream"][-2]) > 2.99 and float(rows["graph"][-2]) < 1.01
+    assert {row[-1] for row in rows.values()} == {"clean"}  # block 0 never written

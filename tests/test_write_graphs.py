@@ -5,10 +5,11 @@ same comparison the speculator tests make, for a GPU machine without vLLM."""
 import pytest
 import torch
 
-from cg_extract.cache_write import write_per_layer, write_stacked
+from cg_extract.cache_write import write_stacked
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.cudagraph_manager import StaticMemoryViolation
 from cg_extract.write_graphs import GraphInputs, WriteGraphs
+from cg_extract.write_op import write_hidden_states
 
 SIZES = CaptureSizes([1, 2, 4, 8, 16, 24, 32, 48, 64])
 LAYERS, HIDDEN, BLOCK, BLOCKS = 3, 128, 16, 12
@@ -38,7 +39,7 @@ class Rig:
         )
         self.graphs = WriteGraphs(
             SIZES, self.device, backend, LAYERS, HIDDEN, dtype,
-            write=lambda aux, slots, is_padding: write_per_layer(aux, self.cache, slots),
+            write=lambda aux, slots, is_padding: write_hidden_states(aux, self.cache, slots),
         )  # fmt: skip
         self.graphs.capture(self.persistent if zero_copy else None, progress=False)
 
@@ -70,7 +71,8 @@ class Rig:
         return path
 
     def same(self):
-        return torch.equal(
+        """vLLM's arithmetic sends padding to block 0; the op writes it nowhere."""
+        return not self.cache[0].any() and torch.equal(
             self.cache[1:].view(torch.uint8), self.reference[1:].view(torch.uint8)
         )
 
@@ -95,7 +97,7 @@ def test_graph_paths_match_vllms_arithmetic(backend, device, dtype):
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
-def test_padding_goes_to_the_null_block(backend, device):
+def test_padding_is_written_nowhere(backend, device):
     rig = Rig(backend, device, torch.float32, zero_copy=False)
     gen = torch.Generator().manual_seed(4)
     rig.step(40, gen, in_place=False)  # leaves rows 33..39 of the static buffer set
@@ -107,7 +109,7 @@ def test_padding_goes_to_the_null_block(backend, device):
     assert (rig.graphs.slot_mapping[33:48] == -1).all()
     touched = set((rig.cache.flatten(1).abs().sum(1) != 0).nonzero().flatten().tolist())
     owned = set((slots // BLOCK).tolist())
-    assert touched - {0} == owned, "the stale padded rows land in block 0 only"
+    assert touched == owned, "the stale padded rows are written nowhere"
     assert rig.same()
 
 
@@ -117,8 +119,11 @@ def test_real_or_emulated_graph_memory_and_time_reported(backend, device):
         torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
     rig = Rig(backend, device, torch.bfloat16)
     assert rig.graphs.capture_time_s > 0
-    # Neither the cache emptied on the way nor anything but the graphs counts.
-    assert 0 < rig.graphs.graph_memory_bytes < 64 * 2**20
+    if backend == "cuda":
+        # Neither the cache emptied on the way nor anything but the graphs counts.
+        assert 0 < rig.graphs.graph_memory_bytes < 64 * 2**20
+    else:  # the step is the one op, which allocates nothing a graph would hold
+        assert rig.graphs.graph_memory_bytes == 0
     assert rig.graphs.captured_sizes == list(SIZES.sizes)
     rig.graphs.release()
     assert rig.graphs.captured_sizes == [] and rig.graphs.zero_copy_sizes == []
@@ -154,7 +159,7 @@ def test_copy_in_padding_mask_is_the_given_mask_then_padding():
     cache = torch.zeros(BLOCKS, LAYERS, BLOCK, HIDDEN)
 
     def write(aux, slots, is_padding):
-        write_per_layer(aux, cache, slots)
+        write_hidden_states(aux, cache, slots)
         seen[: len(is_padding)].copy_(is_padding)  # what the graph reads
 
     graphs = WriteGraphs(SIZES, torch.device("cpu"), "emulated", LAYERS, HIDDEN,
@@ -191,7 +196,7 @@ def test_zero_copy_capture_writes_no_live_slot():
     )
     graphs = WriteGraphs(
         SIZES, torch.device("cpu"), "emulated", LAYERS, HIDDEN, torch.float32,
-        write=lambda aux, slots, is_padding: write_per_layer(aux, cache, slots),
+        write=lambda aux, slots, is_padding: write_hidden_states(aux, cache, slots),
     )  # fmt: skip
     graphs.capture(persistent, SIZES.sizes, progress=False)
     assert graphs.zero_copy_sizes == list(SIZES.sizes)

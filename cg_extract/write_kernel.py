@@ -1,0 +1,85 @@
+"""The hidden-state write as one Triton kernel: the CUDA body of
+:mod:`cg_extract.write_op`.
+
+One program per (token, chunk of ``BLOCK_H`` hidden values) stores that
+chunk of every aux layer; the layers are a tuple of pointers, unrolled at
+compile time, so all ``L`` of them go in one launch whatever their memory
+(separate persistent buffers, views of one stacked buffer, any row stride).
+A token whose slot is negative (vLLM's padding) loads its slot and nothing
+else: no aux read, no cache write, block 0 included. Slots are not bounds
+checked, as in vLLM's own cache kernels.
+
+Uses nothing newer than Triton 3.6 (tuple arguments, ``tl.static_range``).
+With ``TRITON_INTERPRET=1`` set before this module is imported, the same
+kernel runs on CPU tensors (the tests do that in a process of their own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+# Hidden values per program: whole rows up to this width (a power of two,
+# at least 16 lanes so tiny sizes compile like real ones).
+MIN_BLOCK_H, MAX_BLOCK_H = 16, 1024
+
+
+@triton.jit
+def _write_kernel(
+    aux_ptrs,  # tuple of L pointers to [n, H] rows
+    aux_row_strides,  # tuple of L ints
+    aux_col_strides,  # tuple of L ints
+    cache_ptr,  # [num_blocks, L, block_size, H]
+    slot_ptr,  # [n]
+    block_size,
+    stride_block,
+    stride_layer,
+    stride_offset,
+    stride_col,
+    hidden_size,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # A negative slot masks every lane: nothing is read or written.
+    mask = cols < tl.where(slot >= 0, hidden_size, 0)
+    dst = (
+        cache_ptr
+        + (slot // block_size) * stride_block
+        + (slot % block_size) * stride_offset
+        + cols * stride_col
+    )
+    for layer in tl.static_range(len(aux_ptrs)):
+        src = aux_ptrs[layer] + row * aux_row_strides[layer]
+        values = tl.load(src + cols * aux_col_strides[layer], mask=mask)
+        tl.store(dst + layer * stride_layer, values, mask=mask)
+
+
+def write_owned_slots(
+    aux_hidden_states: Sequence[torch.Tensor],
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Launch the kernel: same contract as
+    :func:`cg_extract.cache_write.write_owned_slots`."""
+    num_tokens = slot_mapping.shape[0]
+    hidden_size = kv_cache.shape[3]
+    if num_tokens == 0:
+        return
+    block_h = min(max(triton.next_power_of_2(hidden_size), MIN_BLOCK_H), MAX_BLOCK_H)
+    grid = (num_tokens, triton.cdiv(hidden_size, block_h))
+    _write_kernel[grid](
+        tuple(aux_hidden_states),
+        tuple(h.stride(0) for h in aux_hidden_states),
+        tuple(h.stride(1) for h in aux_hidden_states),
+        kv_cache,
+        slot_mapping,
+        kv_cache.shape[2],
+        *kv_cache.stride(),
+        hidden_size,
+        BLOCK_H=block_h,
+    )

@@ -1,0 +1,239 @@
+"""torch.ops.cg_extract.write_hidden_states: its torch body against vLLM's
+``basic_cache``, bad arguments, what a dispatch mode sees of it, the emulated
+graph contract through it, and its Triton kernel under Triton's interpreter
+(in a process of its own; on a GPU: ``tests/test_write_kernel_cuda.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from cg_extract.cache_write import write_per_layer
+from cg_extract.cudagraph_manager import CudaGraphManager, StaticMemoryViolation
+from cg_extract.write_op import write_hidden_states
+from perf.measure import count_step
+from tests.write_cases import (
+    DTYPES,
+    LAYOUTS,
+    WriteCase,
+    any_write_case,
+    run_op,
+    same_bytes,
+    write_case,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+OP_NAME = "cg_extract.write_hidden_states.default"
+
+
+# --------------------------------------------------------------------------
+# Semantics (CPU body)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden_size", [64, 100, 1030])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_owned_slots_match_vllms_basic_cache(dtype, hidden_size, layout):
+    """On real slots, the bytes of vLLM's cache-only layer; padding nowhere."""
+    basic_cache = pytest.importorskip(
+        "vllm.model_executor.models.extract_hidden_states"
+    ).basic_cache
+    case = write_case(
+        torch.Generator().manual_seed(hidden_size),
+        num_tokens=40,
+        num_layers=3,
+        hidden_size=hidden_size,
+        dtype=dtype,
+        layout=layout,
+        padding=[0, 17, 37, 38, 39],
+        null_block=True,
+    )
+    got = run_op(case)
+    owned = case.owned_rows()
+    vllm = case.fresh_cache()
+    basic_cache(torch.stack(case.aux, dim=1)[owned], vllm, case.slots[owned])
+    assert same_bytes(got, vllm)
+    # vLLM's layer, given the padded rows too, writes them into block 0.
+    padded = case.fresh_cache()
+    basic_cache(torch.stack(case.aux, dim=1), padded, case.slots)
+    assert not same_bytes(padded[0], case.initial[0])
+    assert same_bytes(got[0], case.initial[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=any_write_case(max_tokens=40, max_layers=8, max_hidden=80))
+def test_writes_exactly_the_owned_rows(case):
+    """Any shape, any padding pattern: the cache equals the element-by-element
+    reference, every byte not owned by a real token as it was."""
+    assert same_bytes(run_op(case), case.expected())
+
+
+def test_same_bytes_as_the_per_layer_write_on_real_slots():
+    case = write_case(
+        torch.Generator().manual_seed(1), 33, 4, 256, torch.bfloat16, "stacked", []
+    )
+    old = case.fresh_cache()
+    write_per_layer(case.aux, old, case.slots)
+    assert same_bytes(run_op(case), old)
+
+
+def small_case(**overrides):
+    case = write_case(
+        torch.Generator().manual_seed(0), 4, 3, 8, torch.float32, "separate", [3]
+    )
+    args = dict(aux=case.aux, kv_cache=case.fresh_cache(), slot_mapping=case.slots)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (lambda a: {"aux": a["aux"][:2]}, r"2 aux hidden states for a cache of 3"),
+        (
+            lambda a: {"aux": [a["aux"][0][:, :7], *a["aux"][1:]]},
+            r"aux hidden state 0 is torch.float32 \[4, 7\].*expected torch.float32 \[4, 8\]",
+        ),
+        (
+            lambda a: {"aux": [*a["aux"][:2], a["aux"][2].double()]},
+            r"aux hidden state 2 is torch.float64",
+        ),
+        (
+            lambda a: {"aux": [x[:3] for x in a["aux"]]},
+            r"expected torch.float32 \[4, 8\] .*one row per slot",
+        ),
+        (
+            lambda a: {"slot_mapping": a["slot_mapping"].float()},
+            r"slot_mapping is torch.float32 .*int32 or int64",
+        ),
+        (
+            lambda a: {"kv_cache": a["kv_cache"][0]},
+            r"kv_cache has shape \[3, 16, 8\]",
+        ),
+    ],
+)
+def test_bad_arguments_name_what_is_wrong(overrides, message):
+    args = small_case()
+    args.update(overrides(args))
+    with pytest.raises(ValueError, match=message):
+        write_hidden_states(args["aux"], args["kv_cache"], args["slot_mapping"])
+
+
+def test_meta_tensors_check_shapes_only():
+    args = small_case()
+    meta = {
+        "aux": [a.to("meta") for a in args["aux"]],
+        "kv_cache": args["kv_cache"].to("meta"),
+        "slot_mapping": args["slot_mapping"].to("meta"),
+    }
+    write_hidden_states(meta["aux"], meta["kv_cache"], meta["slot_mapping"])
+    with pytest.raises(ValueError, match="2 aux hidden states"):
+        write_hidden_states(meta["aux"][:2], meta["kv_cache"], meta["slot_mapping"])
+
+
+# --------------------------------------------------------------------------
+# What a dispatch mode sees: one op, every tensor argument
+
+
+def test_a_dispatch_mode_sees_one_op_with_the_owned_bytes():
+    case = write_case(
+        torch.Generator().manual_seed(2),
+        10,
+        3,
+        64,
+        torch.bfloat16,
+        "separate",
+        [7, 8, 9],
+    )
+    cache = case.fresh_cache()
+    count = count_step(lambda: write_hidden_states(case.aux, cache, case.slots))
+    assert [op.name for op in count.dispatched] == [OP_NAME]
+    row = 3 * 64 * 2
+    assert count.bytes == 10 * 8 + 2 * 7 * row  # slots, then 7 owned rows in and out
+    assert same_bytes(cache, case.expected())
+
+
+class StaticWrite:
+    """A graph of the op over static inputs, as the copy-in path captures it."""
+
+    def __init__(self, case: WriteCase, sizes=(4, 8)):
+        self.aux = [a.clone() for a in case.aux]
+        self.slots = case.slots.clone()
+        self.cache = case.fresh_cache()
+        self.swap = {}  # aux layer -> a tensor the step passes instead
+        self.manager = CudaGraphManager(sizes, "cpu", "emulated")
+        self.manager.capture(self.step, progress=False)
+
+    def step(self, n: int) -> None:
+        aux = [self.swap.get(i, a[:n]) for i, a in enumerate(self.aux)]
+        write_hidden_states(aux, self.cache, self.slots[:n])
+
+
+def test_emulated_graph_replays_the_op_over_its_static_inputs():
+    case = write_case(
+        torch.Generator().manual_seed(3), 8, 3, 32, torch.float32, "stacked", [6, 7]
+    )
+    rig = StaticWrite(case)
+    fresh = write_case(
+        torch.Generator().manual_seed(4), 8, 3, 32, torch.float32, "stacked", [1, 7]
+    )
+    for static, new in zip(rig.aux, fresh.aux, strict=True):
+        static.copy_(new)
+    rig.slots.copy_(fresh.slots)
+    rig.cache.copy_(fresh.initial)
+    rig.manager.replay(8)
+    assert same_bytes(rig.cache, fresh.expected())
+    records = rig.manager._graphs[8].records
+    assert {r.name for r in records} == {
+        "aten::slice",
+        "cg_extract::write_hidden_states",
+    }
+    (record,) = [r for r in records if r.name.startswith("cg_extract")]
+    # every aux view, the cache and the slots, each by address, shape, stride
+    assert sum(1 for a in record.args if hasattr(a, "stride")) == 3 + 2
+
+
+@pytest.mark.parametrize("which", ["aux", "cache"])
+def test_emulator_rejects_other_memory_through_the_op(which):
+    case = write_case(
+        torch.Generator().manual_seed(5), 8, 3, 32, torch.float32, "separate", []
+    )
+    rig = StaticWrite(case)
+    if which == "aux":
+        rig.swap[1] = rig.aux[1][:8].clone()  # same values, other memory
+        argument = "argument 1"
+    else:
+        rig.cache = rig.cache.clone()
+        argument = "argument 3"
+    with pytest.raises(
+        StaticMemoryViolation,
+        match=f"cg_extract::write_hidden_states {argument}: captured external",
+    ):
+        rig.manager.replay(8)
+
+
+# --------------------------------------------------------------------------
+# The Triton kernel
+
+
+def test_triton_kernel_under_the_interpreter():
+    """``tests/write_kernel_interpreted.py`` in its own process: the kernel is
+    defined after ``TRITON_INTERPRET=1`` is set, and only there."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/write_kernel_interpreted.py"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout

@@ -1,0 +1,98 @@
+"""The Triton write kernel itself, run on CPU by Triton's interpreter.
+
+Not collected with the suite: ``TRITON_INTERPRET=1`` must be set before the
+kernel is defined, so ``tests/test_write_op.py`` runs this file with pytest in
+a process of its own. Each case compares the kernel with the torch body of the
+op and, on the real slots, with vLLM's ``basic_cache`` (where vLLM imports).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "run by tests/test_write_op.py with TRITON_INTERPRET=1", allow_module_level=True
+    )
+
+import torch
+from hypothesis import given, settings
+
+from cg_extract import cache_write, write_kernel
+from tests.write_cases import (
+    DTYPES,
+    LAYOUTS,
+    WriteCase,
+    any_write_case,
+    same_bytes,
+    write_case,
+)
+
+try:
+    from vllm.model_executor.models.extract_hidden_states import basic_cache
+except ImportError:  # the GPU check machines have no vLLM
+    basic_cache = None
+
+
+def check(case: WriteCase) -> None:
+    got = case.fresh_cache()
+    write_kernel.write_owned_slots(case.aux, got, case.slots)
+    want = case.fresh_cache()
+    cache_write.write_owned_slots(case.aux, want, case.slots)
+    assert same_bytes(got, want), case
+    assert same_bytes(got, case.expected()), case
+    if basic_cache is not None:
+        vllm = case.fresh_cache()
+        owned = case.owned_rows()
+        basic_cache(torch.stack(case.aux, dim=1)[owned], vllm, case.slots[owned].long())
+        assert same_bytes(got, vllm), case
+
+
+# Every dtype with every hidden size (under, at and over a power of two and
+# the kernel's 1024-wide chunk); layouts and layer counts rotate so that each
+# pair of any two of the four parameters appears.
+CASES = [
+    (dtype, hidden_size, (1, 3, 5)[(i // 3) % 3], LAYOUTS[i % 3])
+    for i, (dtype, hidden_size) in enumerate(
+        itertools.product(DTYPES, [64, 100, 1024, 1030])
+    )
+]
+
+
+@pytest.mark.parametrize("dtype, hidden_size, num_layers, layout", CASES, ids=str)
+def test_kernel_matches_torch_and_vllm(dtype, hidden_size, num_layers, layout):
+    """Padding in the middle and in the tail."""
+    case = write_case(
+        torch.Generator().manual_seed(hidden_size + num_layers),
+        num_tokens=12,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        dtype=dtype,
+        layout=layout,
+        padding=[3, 10, 11],
+    )
+    check(case)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=any_write_case(max_tokens=9, max_layers=6, max_hidden=70))
+def test_kernel_matches_torch_on_any_shape(case):
+    check(case)
+
+
+def test_all_padding_touches_nothing():
+    case = write_case(
+        torch.Generator().manual_seed(0),
+        num_tokens=6,
+        num_layers=3,
+        hidden_size=40,
+        dtype=torch.bfloat16,
+        layout="separate",
+        padding=list(range(6)),
+    )
+    got = case.fresh_cache()
+    write_kernel.write_owned_slots(case.aux, got, case.slots)
+    assert torch.equal(got, case.fresh_cache())
