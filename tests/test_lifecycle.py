@@ -62,6 +62,17 @@ GRAPH_KEYS = dict(
     cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=SIZES
 )
 NUM_BLOCKS = 16  # the real KV cache's; the profiler's minimal one is larger here
+
+
+def load_ours(model_dir, num_blocks: int):
+    """Our speculator with emulated graphs, loaded as the worker loads it."""
+    return load_speculator(
+        ExtractHiddenStatesSpeculator,
+        build_vllm_config(model_dir, **GRAPH_KEYS),
+        num_blocks=num_blocks,
+    )
+
+
 # FULL_DECODE_ONLY over SIZES with 2-token decodes: round_up(size, 2).
 TARGET_FULL_SIZES = [2, 4, 8, 16, 24, 32, 48, 64]
 
@@ -319,11 +330,7 @@ def test_profiling_teardown_real_init_steps_elastic_release_recapture_steps(
     reference = load_speculator(
         upstream_speculator_class(), build_vllm_config(model_dir), num_blocks=NUM_BLOCKS
     )
-    ours = load_speculator(
-        ExtractHiddenStatesSpeculator,
-        build_vllm_config(model_dir, **GRAPH_KEYS),
-        num_blocks=NUM_BLOCKS,
-    )
+    ours = load_ours(model_dir, num_blocks=NUM_BLOCKS)
     cfg, spec = ours.vllm_config, ours.speculator
     target_compilation(cfg, CUDAGraphMode.FULL_DECODE_ONLY)
     runner = StandInRunner(ours, CUDAGraphMode.FULL_DECODE_ONLY)
@@ -451,11 +458,7 @@ def test_init_allocates_nothing_and_capture_allocates_the_static_buffers(model_d
 
 
 def test_reinit_drops_the_graphs_of_the_earlier_kv_cache(model_dir):
-    loaded = load_speculator(
-        ExtractHiddenStatesSpeculator,
-        build_vllm_config(model_dir, **GRAPH_KEYS),
-        num_blocks=4,
-    )
+    loaded = load_ours(model_dir, num_blocks=4)
     spec = loaded.speculator
     spec.init_cudagraph_manager(CUDAGraphMode.FULL)
     spec.capture()
@@ -477,11 +480,7 @@ def test_reinit_drops_the_graphs_of_the_earlier_kv_cache(model_dir):
 
 
 def test_a_second_capture_needs_a_release(model_dir):
-    loaded = load_speculator(
-        ExtractHiddenStatesSpeculator,
-        build_vllm_config(model_dir, **GRAPH_KEYS),
-        num_blocks=4,
-    )
+    loaded = load_ours(model_dir, num_blocks=4)
     spec = loaded.speculator
     spec.init_cudagraph_manager(CUDAGraphMode.FULL)
     spec.capture()
@@ -509,11 +508,7 @@ def test_zero_copy_sizes_are_the_targets_planned_full_sizes(
 ):
     """vLLM's own planner (ModelCudaGraphManager) decides the target's FULL
     sizes; ours get exactly those, whatever our copy-in sizes."""
-    loaded = load_speculator(
-        ExtractHiddenStatesSpeculator,
-        build_vllm_config(model_dir, **GRAPH_KEYS),
-        num_blocks=4,
-    )
+    loaded = load_ours(model_dir, num_blocks=4)
     cfg, spec = loaded.vllm_config, loaded.speculator
     target_compilation(cfg, mode, max_num_seqs)
     runner = StandInRunner(loaded, mode)
