@@ -7,7 +7,7 @@ import torch
 
 from cg_extract.cache_write import write_stacked
 from cg_extract.capture_sizes import CaptureSizes
-from cg_extract.cudagraph_manager import StaticMemoryViolation
+from cg_extract.emulated_graph import StaticMemoryViolation
 from cg_extract.write_graphs import GraphInputs, WriteGraphs
 from cg_extract.write_op import write_hidden_states
 

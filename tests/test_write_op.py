@@ -17,7 +17,8 @@ import torch
 from hypothesis import given, settings
 
 from cg_extract.cache_write import write_per_layer
-from cg_extract.cudagraph_manager import CudaGraphManager, StaticMemoryViolation
+from cg_extract.cudagraph_manager import CudaGraphManager
+from cg_extract.emulated_graph import StaticMemoryViolation
 from cg_extract.write_op import write_hidden_states
 from perf.measure import count_step
 from tests.write_cases import (

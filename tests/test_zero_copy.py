@@ -10,7 +10,7 @@ import torch
 from vllm.config.compilation import CUDAGraphMode
 
 from cg_extract import target_buffers
-from cg_extract.cudagraph_manager import StaticMemoryViolation
+from cg_extract.emulated_graph import StaticMemoryViolation
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
 from cg_extract.testing import (
