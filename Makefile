@@ -30,7 +30,7 @@ lint: $(STAMP)
 sweep: $(STAMP)
 	$(VENV)/bin/python perf/sweep.py
 
-# A short CPU sweep gated against perf/baselines/cpu.csv (what CI runs).
+# A short CPU sweep, gated against this CPU model's baseline or the floors (what CI runs).
 perf-gate: $(STAMP)
 	PY=$(VENV)/bin/python perf/ci_gate.sh
 
