@@ -11,12 +11,11 @@ One step, from ``propose`` to the KV cache:
 2. Pick a path for the ``n`` tokens (:mod:`cg_extract.write_graphs`):
 
    * zero-copy graph: the target replayed a FULL graph, so the aux hidden
-     states, slots and padding mask are views of persistent buffers that a
-     graph captured for exactly ``n`` tokens already reads. Replay, nothing
-     else;
+     states and slots are views of persistent buffers that a graph captured
+     for exactly ``n`` tokens already reads. Replay, nothing else;
    * copy-in graph: ``pad(n)`` has a graph. Stack the aux hidden states into
-     the static buffer, copy the slots and padding mask, point the padded
-     tail at slot -1, replay;
+     the static buffer, copy the slots, point the padded tail at slot -1,
+     replay;
    * eager: no graph fits (``n`` above the largest size, nothing captured
      yet, graphs off).
 
@@ -208,19 +207,10 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             self.num_hidden_states,
             self.vllm_config.model_config.get_hidden_size(),
             self.dtype,
-            write=self._graph_write,
+            # The captured step is the write alone: the connector hooks are
+            # host work a replay would skip, so ``propose`` runs them after it.
+            write=self._write,
         )
-
-    def _graph_write(
-        self,
-        aux_hidden_states: Sequence[torch.Tensor],
-        slots: torch.Tensor,
-        is_padding: torch.Tensor,
-    ) -> None:
-        """The captured step: the write alone. The connector hooks are host
-        work that a replay would skip; ``propose`` runs them after it."""
-        del is_padding  # read by the hooks, from the step's own context
-        self._write(aux_hidden_states, slots)
 
     def _graph_backend(self, mode: CUDAGraphMode) -> tuple[str | None, str]:
         if not self.graph_config.cudagraph:
@@ -277,22 +267,21 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             )
 
     def _persistent_inputs(self) -> tuple[GraphInputs | None, list[int]]:
-        """The target's persistent aux buffers, slot row and padding mask, and
+        """The target's persistent aux buffers and slot row, and
         the token counts of the target's planned FULL graphs: after a FULL
         replay of the target, ``propose`` gets views of exactly those.
 
-        Present only once the runner has called ``set_attn`` (block tables,
-        input buffers) and its graph manager has planned FULL graphs with aux
+        Present only once the runner has called ``set_attn`` (block tables)
+        and its graph manager has planned FULL graphs with aux
         outputs (published by the plugin's capture hook).
         """
         target = target_buffers.get(self.device)
         block_tables = getattr(self, "block_tables", None)
-        input_buffers = getattr(self, "target_input_buffers", None)
         kv_cache = self.cache_layer.kv_cache
         why = None
         if target is None or not target.full_sizes:
             why = "the target has no FULL graphs with aux hidden states"
-        elif block_tables is None or input_buffers is None:
+        elif block_tables is None:
             why = "the runner has not shared its block tables"
         elif len(target.aux_hidden_states) != self.num_hidden_states or any(
             a.dim() != 2
@@ -307,9 +296,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         groups = self.kv_cache_config.kv_cache_groups
         (group,) = [i for i, g in enumerate(groups) if self.layer_name in g.layer_names]
         persistent = GraphInputs(
-            target.aux_hidden_states,
-            block_tables.slot_mappings[group],
-            input_buffers.is_padding,
+            target.aux_hidden_states, block_tables.slot_mappings[group]
         )
         # vLLM sizes its buffers for its largest FULL graph, so all fit;
         # should one not, that size takes the copy-in path.
@@ -382,7 +369,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
                 self._write(aux_hidden_states, slots)
                 self._run_connector_hooks()
             return draft_tokens
-        path = self.graphs.run(aux_hidden_states, slots, is_padding, padded)
+        path = self.graphs.run(aux_hidden_states, slots, padded)
         self.counts[path] += 1
         # The hooks' own first test, made before building a forward context:
         # without a KV transfer group a graph step does nothing more.

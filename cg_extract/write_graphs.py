@@ -1,11 +1,11 @@
 """CUDA graphs of the hidden-state write, in torch alone.
 
 Two sets of graphs over the same capture sizes, both replaying the caller's
-``write(aux_hidden_states, slot_mapping, is_padding)``:
+``write(aux_hidden_states, slot_mapping)``:
 
 * copy-in graphs read static buffers this class owns. ``run`` stacks the aux
-  hidden states into them (one kernel), copies slots and padding mask, points
-  the padded tail at slot -1 (which the write skips) and replays;
+  hidden states into them (one kernel), copies the slots, points the padded
+  tail at slot -1 (which the write skips) and replays;
 * zero-copy graphs read the target's persistent buffers directly: after a
   FULL graph replay of the target, ``propose`` is handed views of exactly
   those. They exist for the sizes the caller names (the target's FULL
@@ -42,12 +42,13 @@ from cg_extract.cudagraph_manager import (
 
 PAD_SLOT_ID = -1  # vLLM's padding slot; the cache write skips it
 
-Write = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor], None]
+Write = Callable[[Sequence[torch.Tensor], torch.Tensor], None]  # (aux, slots)
 
 
 @dataclass
 class GraphInputs:
-    """What the write reads: the aux hidden states, slots and padding mask.
+    """What the write reads: the aux hidden states and their slots (a
+    padded row's slot is -1, so the write needs no padding mask).
 
     Either the static buffers of the copy-in graphs or the target's persistent
     buffers that ``propose`` receives views of after a FULL graph replay.
@@ -55,7 +56,6 @@ class GraphInputs:
 
     aux_hidden_states: list[torch.Tensor]  # [rows, hidden] each
     slot_mapping: torch.Tensor  # [rows], the draft layer's slot row
-    is_padding: torch.Tensor  # [rows]
 
     @property
     def rows(self) -> int:
@@ -66,7 +66,6 @@ class GraphInputs:
         return GraphInputs(
             [a[:size] for a in self.aux_hidden_states],
             self.slot_mapping[:size],
-            self.is_padding[:size],
         )
 
 
@@ -94,13 +93,8 @@ class WriteGraphs:
         self.slot_mapping = self.copy_in.static_buffer(
             "slot_mapping", (), torch.int64, fill_value=PAD_SLOT_ID
         )
-        self.is_padding = self.copy_in.static_buffer(
-            "is_padding", (), torch.bool, fill_value=True
-        )
         static = GraphInputs(
-            [hidden[:, i] for i in range(num_layers)],
-            self.slot_mapping,
-            self.is_padding,
+            [hidden[:, i] for i in range(num_layers)], self.slot_mapping
         )
         self._copy_in_inputs = {
             size: static.first(size) for size in capture_sizes.sizes
@@ -217,7 +211,7 @@ class WriteGraphs:
     ) -> None:
         def step(size: int) -> None:
             x = self._replay_inputs or inputs[size]
-            self.write(x.aux_hidden_states, x.slot_mapping, x.is_padding)
+            self.write(x.aux_hidden_states, x.slot_mapping)
 
         graphs.capture(step, desc, progress=progress)
 
@@ -225,13 +219,12 @@ class WriteGraphs:
         self,
         aux_hidden_states: Sequence[torch.Tensor],
         slot_mapping: torch.Tensor,
-        is_padding: torch.Tensor,
         padded: int,
     ) -> str:
         """Write one step of ``n = len(slot_mapping)`` tokens, ``padded`` being
         :meth:`padded_size` of ``n``; returns the path taken: "zero_copy",
         "copy_in", or "eager" (a zero-copy-only size, inputs not in place)."""
-        given = GraphInputs(list(aux_hidden_states), slot_mapping, is_padding)
+        given = GraphInputs(list(aux_hidden_states), slot_mapping)
         n = len(slot_mapping)
         if self._reads_in_place(given):
             self._replay_inputs = given
@@ -241,13 +234,11 @@ class WriteGraphs:
                 self._replay_inputs = None
             return "zero_copy"
         if self.copy_in.padded_size(n) != padded:
-            self.write(aux_hidden_states, slot_mapping, is_padding)
+            self.write(aux_hidden_states, slot_mapping)
             return "eager"
         torch.stack(aux_hidden_states, dim=1, out=self.hidden_states[:n])
         self.slot_mapping[:n].copy_(slot_mapping)
         self.slot_mapping[n:padded].fill_(PAD_SLOT_ID)
-        self.is_padding[:n].copy_(is_padding)
-        self.is_padding[n:padded].fill_(True)
         self.copy_in.replay(padded)
         return "copy_in"
 
@@ -258,8 +249,8 @@ class WriteGraphs:
         ):
             return False
         pairs = zip(
-            (*given.aux_hidden_states, given.slot_mapping, given.is_padding),
-            (*captured.aux_hidden_states, captured.slot_mapping, captured.is_padding),
+            (*given.aux_hidden_states, given.slot_mapping),
+            (*captured.aux_hidden_states, captured.slot_mapping),
             strict=True,
         )
         return all(_same_view(got, want) for got, want in pairs)

@@ -104,12 +104,7 @@ class GraphKernel(Runner):
             p.num_layers,
             p.hidden_size,
             p.torch_dtype,
-            write=lambda aux, slots, is_padding: write_hidden_states(
-                aux, self.kv_cache, slots
-            ),
-        )
-        self.no_padding = torch.zeros(
-            p.max_tokens, dtype=torch.bool, device=engine.device
+            write=lambda aux, slots: write_hidden_states(aux, self.kv_cache, slots),
         )
         self.persistent = None
         if in_place:
@@ -119,7 +114,6 @@ class GraphKernel(Runner):
                 torch.full(
                     (rows,), PAD_SLOT_ID, dtype=torch.int64, device=engine.device
                 ),
-                torch.ones(rows, dtype=torch.bool, device=engine.device),
             )
         self.graphs.capture(self.persistent, progress=False)
 
@@ -137,7 +131,6 @@ class GraphKernel(Runner):
             )
         ]
         slots = self.persistent.slot_mapping[:n].copy_(inputs.slot_mapping)
-        self.persistent.is_padding[:n].fill_(False)
         return dataclasses.replace(inputs, aux_hidden_states=aux, slot_mapping=slots)
 
     def step(self, inputs: KernelInputs) -> torch.Tensor:
@@ -146,14 +139,7 @@ class GraphKernel(Runner):
         if padded is None:
             return self.eager.step(inputs)
         draft = draft_tokens(inputs)
-        is_padding = (
-            self.persistent.is_padding[:n]
-            if self.persistent is not None and n <= self.persistent.rows
-            else self.no_padding[:n]
-        )
-        self.graphs.run(
-            inputs.aux_hidden_states, inputs.slot_mapping, is_padding, padded
-        )
+        self.graphs.run(inputs.aux_hidden_states, inputs.slot_mapping, padded)
         return draft
 
 

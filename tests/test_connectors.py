@@ -336,13 +336,13 @@ def test_a_hook_inside_the_graph_is_caught(distributed, model_dir, monkeypatch):
     )
 
     def write_then_hooks(spec):
-        def step(aux, slots, is_padding):
+        def step(aux, slots):
             spec._write(aux, slots)
             with set_forward_context(
                 {spec.layer_name: CacheOnlyAttentionMetadata(slots)},
                 spec.vllm_config,
                 slot_mapping={spec.layer_name: slots},
-                is_padding=is_padding,
+                is_padding=slots < 0,
             ):
                 spec._run_connector_hooks()
 

@@ -450,10 +450,10 @@ def test_init_allocates_nothing_and_capture_allocates_the_static_buffers(model_d
         spec.capture()
     graphs = spec.graphs
     layers, hidden = 3, loaded.kv_cache.shape[-1]
-    expected = 2048 * (layers * hidden * 4 + 8 + 1)  # fp32 states, int64 slots, mask
+    expected = 2048 * (layers * hidden * 4 + 8)  # fp32 states, int64 slots
     assert graphs.static_bytes == expected
     static = {b.untyped_storage().data_ptr() for b in graphs.copy_in.buffers.values()}
-    assert len(static) == 3 and static <= set(at_capture.storages)
+    assert len(static) == 2 and static <= set(at_capture.storages)
     assert at_capture.nbytes >= expected + graphs.graph_memory_bytes
 
 

@@ -6,9 +6,8 @@ pieces stand for the runner's:
 * a toy target (a few linear layers) whose FULL graphs, captured first, largest
   first, write their aux hidden states into persistent buffers: the target
   graph manager's outputs;
-* a slot row and a padding mask of ``max_num_batched_tokens`` rows that the
-  runner fills each step, padded tail -1 / True: ``block_tables.slot_mappings``
-  and ``input_buffers.is_padding``;
+* a slot row of ``max_num_batched_tokens`` rows that the runner fills each
+  step, padded tail -1: ``block_tables.slot_mappings``;
 * our copy-in and zero-copy graphs, captured after the target's into the same
   pool, as ``speculator.capture()`` runs after the target's capture.
 
@@ -99,13 +98,12 @@ class Worker:
         self.slot_row = torch.full(
             (MAX_TOKENS,), PAD_SLOT_ID, dtype=torch.int64, device=self.device
         )
-        self.is_padding = torch.ones(MAX_TOKENS, dtype=torch.bool, device=self.device)
         shape = (NUM_BLOCKS, LAYERS, BLOCK, HIDDEN)
         self.cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.reference = torch.zeros_like(self.cache)
         self.graphs = WriteGraphs(
             CAPTURE, self.device, backend, LAYERS, HIDDEN, dtype,
-            write=lambda aux, slots, is_padding: write_hidden_states(aux, self.cache, slots),
+            write=lambda aux, slots: write_hidden_states(aux, self.cache, slots),
             pool=pool,
         )  # fmt: skip
         self.counts = {"zero_copy": 0, "copy_in": 0, "eager": 0}
@@ -113,7 +111,7 @@ class Worker:
     def capture(self) -> None:
         # The runner's order: the target's FULL graphs, then speculator.capture().
         self.target.capture()
-        persistent = GraphInputs(self.target.aux, self.slot_row, self.is_padding)
+        persistent = GraphInputs(self.target.aux, self.slot_row)
         self.graphs.capture(persistent, progress=False)
 
     def step(self, n: int, target_replays: bool) -> str:
@@ -125,20 +123,18 @@ class Worker:
         # The runner's prepare_inputs: real slots, then the padded tail.
         self.slot_row[:n].copy_(slots)
         self.slot_row[n:rows].fill_(PAD_SLOT_ID)
-        self.is_padding[:n].fill_(False)
-        self.is_padding[n:rows].fill_(True)
         aux = self.target.replay(x) if graph_target else self.target.forward(x)
         # propose(): aux_hidden_states[0].shape[0] tokens, the slot row's views.
         num_tokens = aux[0].shape[0]
         assert num_tokens == rows
-        got_slots, got_padding = self.slot_row[:rows], self.is_padding[:rows]
+        got_slots = self.slot_row[:rows]
         write_stacked(torch.stack([a[:n] for a in aux], dim=1), self.reference, slots)
         padded = self.graphs.padded_size(num_tokens)
         if padded is None:
             write_hidden_states(aux, self.cache, got_slots)
             path = "eager"
         else:
-            path = self.graphs.run(aux, got_slots, got_padding, padded)
+            path = self.graphs.run(aux, got_slots, padded)
         self.counts[path] += 1
         return path
 

@@ -548,6 +548,6 @@ def test_emulated_counts_show_a_zero_copy_step(capsys):
         for line in capsys.readouterr().out.splitlines()[1:]
     }
     # tokens, dispatched, moving, replayed
-    assert rows["graph"][1:5] == ["8", "2", "1", "1"]
+    assert rows["graph"][1:5] == ["8", "1", "1", "1"]
     assert float(rows["upstream"][-2]) > 2.99 and float(rows["graph"][-2]) < 1.01
     assert {row[-1] for row in rows.values()} == {"clean"}  # block 0 never written

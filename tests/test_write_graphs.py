@@ -35,11 +35,10 @@ class Rig:
                 for _ in range(LAYERS)
             ],
             torch.full((256,), -1, dtype=torch.int64, device=device),
-            torch.ones(256, dtype=torch.bool, device=device),
         )
         self.graphs = WriteGraphs(
             SIZES, self.device, backend, LAYERS, HIDDEN, dtype,
-            write=lambda aux, slots, is_padding: write_hidden_states(aux, self.cache, slots),
+            write=lambda aux, slots: write_hidden_states(aux, self.cache, slots),
         )  # fmt: skip
         self.graphs.capture(self.persistent if zero_copy else None, progress=False)
 
@@ -50,22 +49,20 @@ class Rig:
         ]
         aux = [a.to(self.device) for a in aux]
         slots = slots.to(self.device)
-        is_padding = torch.zeros(n, dtype=torch.bool, device=self.device)
         if in_place:  # as after a FULL graph replay of the target
             aux = [
                 buf[:n].copy_(a)
                 for buf, a in zip(self.persistent.aux_hidden_states, aux, strict=True)
             ]
             slots = self.persistent.slot_mapping[:n].copy_(slots)
-            is_padding = self.persistent.is_padding[:n].copy_(is_padding)
-        return aux, slots, is_padding
+        return aux, slots
 
     def step(self, n, gen, in_place):
-        aux, slots, is_padding = self.inputs(n, gen, in_place)
+        aux, slots = self.inputs(n, gen, in_place)
         write_stacked(
             torch.stack(aux, dim=1), self.reference, slots
         )  # vLLM's arithmetic
-        path = self.graphs.run(aux, slots, is_padding, SIZES.pad(n))
+        path = self.graphs.run(aux, slots, SIZES.pad(n))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return path
@@ -103,9 +100,9 @@ def test_padding_is_written_nowhere(backend, device):
     rig.step(40, gen, in_place=False)  # leaves rows 33..39 of the static buffer set
     rig.cache.zero_()
     rig.reference.zero_()
-    aux, slots, is_padding = rig.inputs(33, gen, in_place=False)
+    aux, slots = rig.inputs(33, gen, in_place=False)
     write_stacked(torch.stack(aux, dim=1), rig.reference, slots)
-    assert rig.graphs.run(aux, slots, is_padding, 48) == "copy_in"
+    assert rig.graphs.run(aux, slots, 48) == "copy_in"
     assert (rig.graphs.slot_mapping[33:48] == -1).all()
     touched = set((rig.cache.flatten(1).abs().sum(1) != 0).nonzero().flatten().tolist())
     owned = set((slots // BLOCK).tolist())
@@ -139,49 +136,15 @@ def test_emulator_rejects_zero_copy_over_other_memory(monkeypatch):
 def test_in_place_check_wants_the_captured_views():
     rig = Rig("emulated", "cpu", torch.float32)
     gen = torch.Generator().manual_seed(6)
-    aux, slots, is_padding = rig.inputs(16, gen, in_place=True)
-    assert rig.graphs.run(aux, slots, is_padding, 16) == "zero_copy"
+    aux, slots = rig.inputs(16, gen, in_place=True)
+    assert rig.graphs.run(aux, slots, 16) == "zero_copy"
     # Same buffers, other views: every other row, a later offset, a copy.
-    assert (
-        rig.graphs.run([a[::1][:16] for a in aux], slots, is_padding, 16) == "zero_copy"
-    )
+    assert rig.graphs.run([a[::1][:16] for a in aux], slots, 16) == "zero_copy"
     every_other = [buf[:32:2] for buf in rig.persistent.aux_hidden_states]
-    assert rig.graphs.run(every_other, slots, is_padding, 16) == "copy_in"
+    assert rig.graphs.run(every_other, slots, 16) == "copy_in"
     shifted = [buf[1:17] for buf in rig.persistent.aux_hidden_states]
-    assert rig.graphs.run(shifted, slots, is_padding, 16) == "copy_in"
-    assert rig.graphs.run(aux, slots.clone(), is_padding, 16) == "copy_in"
-
-
-def test_copy_in_padding_mask_is_the_given_mask_then_padding():
-    """The copy-in graph reads ``is_padding[:padded]``: the step's own mask for
-    its n tokens, True for the padded tail, whatever a larger step left."""
-    seen = torch.zeros(SIZES.max_size, dtype=torch.bool)
-    cache = torch.zeros(BLOCKS, LAYERS, BLOCK, HIDDEN)
-
-    def write(aux, slots, is_padding):
-        write_hidden_states(aux, cache, slots)
-        seen[: len(is_padding)].copy_(is_padding)  # what the graph reads
-
-    graphs = WriteGraphs(SIZES, torch.device("cpu"), "emulated", LAYERS, HIDDEN,
-                         torch.float32, write=write)  # fmt: skip
-    graphs.capture(progress=False)
-    gen = torch.Generator().manual_seed(7)
-
-    def run(n, mask):
-        slots = torch.randperm((BLOCKS - 1) * BLOCK, generator=gen)[:n] + BLOCK
-        aux = [torch.randn(n, HIDDEN, generator=gen) for _ in range(LAYERS)]
-        padded = SIZES.pad(n)
-        assert graphs.run(aux, slots, mask, padded) == "copy_in"
-        return padded
-
-    run(64, torch.zeros(64, dtype=torch.bool))  # leaves False in every row
-    mask = torch.rand(33, generator=gen) < 0.5
-    assert 0 < int(mask.sum()) < 33
-    padded = run(33, mask)
-    assert padded == 48
-    assert torch.equal(graphs.is_padding[:33], mask)
-    assert graphs.is_padding[33:48].all()
-    assert torch.equal(seen[:33], mask) and seen[33:48].all()
+    assert rig.graphs.run(shifted, slots, 16) == "copy_in"
+    assert rig.graphs.run(aux, slots.clone(), 16) == "copy_in"
 
 
 def test_zero_copy_capture_writes_no_live_slot():
@@ -192,11 +155,10 @@ def test_zero_copy_capture_writes_no_live_slot():
     persistent = GraphInputs(
         [torch.randn(SIZES.max_size, HIDDEN) for _ in range(LAYERS)],
         torch.randperm((BLOCKS - 1) * BLOCK)[: SIZES.max_size] + BLOCK,  # live
-        torch.zeros(SIZES.max_size, dtype=torch.bool),
     )
     graphs = WriteGraphs(
         SIZES, torch.device("cpu"), "emulated", LAYERS, HIDDEN, torch.float32,
-        write=lambda aux, slots, is_padding: write_hidden_states(aux, cache, slots),
+        write=lambda aux, slots: write_hidden_states(aux, cache, slots),
     )  # fmt: skip
     graphs.capture(persistent, SIZES.sizes, progress=False)
     assert graphs.zero_copy_sizes == list(SIZES.sizes)
@@ -206,7 +168,7 @@ def test_zero_copy_capture_writes_no_live_slot():
 def test_static_buffers_and_emulated_graph_memory_are_counted_exactly():
     rig = Rig("emulated", "cpu", torch.bfloat16, zero_copy=False)
     rows = SIZES.max_size
-    assert rig.graphs.static_bytes == rows * (LAYERS * HIDDEN * 2 + 8 + 1)
+    assert rig.graphs.static_bytes == rows * (LAYERS * HIDDEN * 2 + 8)
     # The emulated figure is what the largest graph allocates in its step
     # (the write's temporaries, if any), static buffers not included.
     largest = rig.graphs.copy_in._graphs[rows]
