@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     from vllm.config.compilation import CUDAGraphMode
 
     from cg_extract.speculator import ExtractHiddenStatesSpeculator
-    from cg_extract.testing import (
+    from tests.harness import (
         attach_target_graph_outputs,
         build_vllm_config,
         load_speculator,

@@ -30,7 +30,6 @@ import torch
 from tqdm import tqdm
 
 from cg_extract.capture_sizes import CaptureSizes, default_capture_sizes
-from cg_extract.testing import DTYPES
 from perf import machine, report
 from perf.engines import (
     ENGINE_MODULES,
@@ -53,6 +52,7 @@ from perf.measure import (
     time_steps,
 )
 from perf.nvml import NvmlSampler, nvml_index
+from tests.harness import DTYPES
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ def run(args: Any, sampler: Any, emit: Callable[[list[dict[str, Any]]], None]) -
 def _make_llm(args: Any, cudagraph: bool):
     from vllm import LLM
 
-    from cg_extract.testing import speculative_config
+    from tests.harness import speculative_config
 
     return LLM(
         model=args.model,

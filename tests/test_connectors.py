@@ -1,7 +1,7 @@
 """KV connectors in graph mode get the eager layer's hooks, exactly.
 
 The connectors are created as a GPU worker creates them
-(``cg_extract.testing.worker_connector``): vLLM's
+(``tests.harness.worker_connector``): vLLM's
 ``ensure_kv_transfer_initialized`` (a one-process gloo group stands in for the
 worker's distributed setup), wrapped in MRv2's ``ActiveKVConnector``, which
 binds each step's metadata (built by the scheduler-side connector) before the
@@ -24,7 +24,8 @@ from cg_extract import target_buffers
 from cg_extract.cudagraph_manager import CudaGraphManager
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from cg_extract.testing import (
+from tests import recording_connectors
+from tests.harness import (
     attach_target_graph_outputs,
     build_vllm_config,
     load_speculator,
@@ -32,7 +33,6 @@ from cg_extract.testing import (
     single_process_group,
     worker_connector,
 )
-from tests import recording_connectors
 from tests.recording_connectors import CALLS, HookFailed, HookInGraphWork
 
 MODULE = "tests.recording_connectors"

@@ -47,7 +47,8 @@ from cg_extract import plugin, target_buffers
 from cg_extract.config import ExtractGraphConfig
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from cg_extract.testing import (
+from cg_extract.vllm_graphs import SpeculatorGraphs
+from tests.harness import (
     TargetGraphOutputs,
     _SlotMappingsOnly,
     build_vllm_config,
@@ -55,7 +56,6 @@ from cg_extract.testing import (
     make_step_inputs,
     propose_same_step,
 )
-from cg_extract.vllm_graphs import SpeculatorGraphs
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 GRAPH_KEYS = dict(
@@ -535,7 +535,7 @@ from pathlib import Path
 from vllm.config import set_current_vllm_config
 from vllm.config.compilation import CUDAGraphMode
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from cg_extract.testing import build_vllm_config, load_speculator
+from tests.harness import build_vllm_config, load_speculator
 model = Path({str(model_dir)!r})
 keys = dict(cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=[1, 2])
 eager = load_speculator(ExtractHiddenStatesSpeculator, build_vllm_config(model, **keys))

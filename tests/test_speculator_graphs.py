@@ -12,7 +12,7 @@ from vllm.v1.worker.gpu.dp_utils import DPSyncState
 
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from cg_extract.testing import (
+from tests.harness import (
     build_vllm_config,
     load_speculator,
     make_step_inputs,

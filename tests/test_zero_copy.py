@@ -13,13 +13,13 @@ from cg_extract import target_buffers
 from cg_extract.emulated_graph import StaticMemoryViolation
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from cg_extract.testing import (
+from cg_extract.write_graphs import WriteGraphs
+from tests.harness import (
     attach_target_graph_outputs,
     build_vllm_config,
     load_speculator,
     make_step_inputs,
 )
-from cg_extract.write_graphs import WriteGraphs
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 GRAPH_KEYS = dict(
