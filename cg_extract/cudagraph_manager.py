@@ -36,21 +36,7 @@ import torch
 from tqdm import tqdm
 
 from cg_extract.capture_sizes import CaptureSizes
-from cg_extract.emulated_graph import (
-    EmulatedGraph,
-    GraphCaptureError,
-    StaticMemoryViolation,
-    Step,
-)
-
-__all__ = [
-    "BACKENDS",
-    "CudaGraphManager",
-    "GraphCaptureError",
-    "GraphScope",
-    "StaticMemoryViolation",
-    "default_graph_scope",
-]
+from cg_extract.emulated_graph import EmulatedGraph, GraphCaptureError, Step
 
 BACKENDS = ("cuda", "emulated")
 

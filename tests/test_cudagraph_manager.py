@@ -15,11 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cg_extract.capture_sizes import CaptureSizes
-from cg_extract.cudagraph_manager import (
-    CudaGraphManager,
-    GraphCaptureError,
-    StaticMemoryViolation,
-)
+from cg_extract.cudagraph_manager import CudaGraphManager, GraphCaptureError
+from cg_extract.emulated_graph import StaticMemoryViolation
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = [
