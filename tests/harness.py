@@ -50,6 +50,14 @@ def write_model_dir(
     return path
 
 
+def emulated_graph_keys(sizes: list[int]) -> dict[str, Any]:
+    """Our keys for graph mode on the emulated backend at ``sizes``: what the
+    CPU tests run where a GPU worker would run real graphs."""
+    return dict(
+        cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=sizes
+    )
+
+
 def speculative_config(aux_layer_ids: list[int], **extra: Any) -> dict[str, Any]:
     """The ``--speculative-config`` dict a user passes, plus ``extra`` keys."""
     return {

@@ -28,6 +28,7 @@ from tests import recording_connectors
 from tests.harness import (
     attach_target_graph_outputs,
     build_vllm_config,
+    emulated_graph_keys,
     load_speculator,
     make_step_inputs,
     single_process_group,
@@ -37,9 +38,7 @@ from tests.recording_connectors import CALLS, HookFailed, HookInGraphWork
 
 MODULE = "tests.recording_connectors"
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
-GRAPH_KEYS = dict(
-    cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=SIZES
-)
+GRAPH_KEYS = emulated_graph_keys(SIZES)
 HOOKS = ("wait_for_layer_load", "save_kv_layer")
 # One step as the runner drives it: bind (pre_forward), the draft layer's
 # hooks (propose), then post_forward's calls.

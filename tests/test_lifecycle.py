@@ -52,15 +52,14 @@ from tests.harness import (
     TargetGraphOutputs,
     _SlotMappingsOnly,
     build_vllm_config,
+    emulated_graph_keys,
     load_speculator,
     make_step_inputs,
     propose_same_step,
 )
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
-GRAPH_KEYS = dict(
-    cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=SIZES
-)
+GRAPH_KEYS = emulated_graph_keys(SIZES)
 NUM_BLOCKS = 16  # the real KV cache's; the profiler's minimal one is larger here
 
 
@@ -535,9 +534,9 @@ from pathlib import Path
 from vllm.config import set_current_vllm_config
 from vllm.config.compilation import CUDAGraphMode
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from tests.harness import build_vllm_config, load_speculator
+from tests.harness import build_vllm_config, emulated_graph_keys, load_speculator
 model = Path({str(model_dir)!r})
-keys = dict(cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=[1, 2])
+keys = emulated_graph_keys([1, 2])
 eager = load_speculator(ExtractHiddenStatesSpeculator, build_vllm_config(model, **keys))
 eager.speculator.init_cudagraph_manager(CUDAGraphMode.NONE)
 graphs = load_speculator(ExtractHiddenStatesSpeculator, build_vllm_config(model, **keys))

@@ -14,15 +14,14 @@ from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
 from tests.harness import (
     build_vllm_config,
+    emulated_graph_keys,
     load_speculator,
     make_step_inputs,
     propose_same_step,
 )
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
-GRAPH_KEYS = dict(
-    cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=SIZES
-)
+GRAPH_KEYS = emulated_graph_keys(SIZES)
 
 
 def graph_speculator(cfg, mode=CUDAGraphMode.FULL_AND_PIECEWISE, capture=True):

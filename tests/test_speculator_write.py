@@ -17,6 +17,7 @@ from perf.measure import count_step, graph_steps_kept
 from tests.harness import (
     attach_target_graph_outputs,
     build_vllm_config,
+    emulated_graph_keys,
     load_speculator,
     make_step_inputs,
 )
@@ -29,9 +30,7 @@ OP = "cg_extract.write_hidden_states.default"
 def speculators(model_dir):
     """vLLM's own class, and ours with copy-in and zero-copy graphs."""
     target_buffers.clear()
-    keys = dict(
-        cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=SIZES
-    )
+    keys = emulated_graph_keys(SIZES)
     reference = load_speculator(
         upstream_speculator_class(), build_vllm_config(model_dir), num_blocks=16
     )

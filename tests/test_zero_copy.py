@@ -17,14 +17,13 @@ from cg_extract.write_graphs import WriteGraphs
 from tests.harness import (
     attach_target_graph_outputs,
     build_vllm_config,
+    emulated_graph_keys,
     load_speculator,
     make_step_inputs,
 )
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
-GRAPH_KEYS = dict(
-    cudagraph=True, cudagraph_backend="emulated", cudagraph_capture_sizes=SIZES
-)
+GRAPH_KEYS = emulated_graph_keys(SIZES)
 
 
 @pytest.fixture(autouse=True)
