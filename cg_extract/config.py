@@ -145,6 +145,11 @@ def _refuse_micro_batching(parallel_config: Any) -> None:
         )
 
 
+def given_keys(vllm_config: Any) -> set[str]:
+    """The keys of ours the user gave (the plugin carries only those)."""
+    return set(_given(vllm_config) or ())
+
+
 def _given(vllm_config: Any) -> Mapping[str, Any] | None:
     """Our keys in the config, or None where none were given."""
     additional = getattr(vllm_config, "additional_config", None) or {}

@@ -25,6 +25,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from cg_extract import get_logger
+
+logger = get_logger(__name__)
+
 SUPPORTED_VLLM = ("0.32", "0.33")
 
 _UPSTREAM_MODULE = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
@@ -122,10 +126,9 @@ def _move_our_keys(engine_args: Any) -> dict[str, str]:
     graph_config, sources = merge_our_keys(ours, additional.get(ADDITIONAL_CONFIG_KEY))
     if ours:
         engine_args.speculative_config = theirs
-    engine_args.additional_config = {
-        **additional,
-        ADDITIONAL_CONFIG_KEY: graph_config.to_dict(),
-    }
+    # Only the keys given, so workers can tell a default from a choice.
+    given = {k: v for k, v in graph_config.to_dict().items() if k in sources}
+    engine_args.additional_config = {**additional, ADDITIONAL_CONFIG_KEY: given}
     return sources
 
 
@@ -134,8 +137,35 @@ def _validate(vllm_config: Any, sources: dict[str, str]) -> None:
 
     from cg_extract.config import ExtractGraphConfig
 
-    ExtractGraphConfig.from_vllm_config(vllm_config).validate_for(
+    graph_config = ExtractGraphConfig.from_vllm_config(vllm_config)
+    graph_config.validate_for(
         vllm_config, cuda_available=torch.cuda.is_available(), sources=sources
+    )
+    if graph_config.cudagraph and not vllm_config.use_v2_model_runner:
+        logger.warning(
+            "'cudagraph': true has no effect here: this engine will run vLLM's "
+            "V1 model runner (%s), whose extract_hidden_states proposer is "
+            "vLLM's own and runs eagerly; cg_extract's speculator and its "
+            "graphs run on Model Runner V2 only. %s",
+            *_why_not_model_runner_v2(vllm_config),
+        )
+
+
+def _why_not_model_runner_v2(vllm_config: Any) -> tuple[str, str]:
+    """Why ``vllm_config.use_v2_model_runner`` is false, and the way out,
+    mirroring that property's own order of reasons."""
+    from vllm import envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER is False:
+        return "VLLM_USE_V2_MODEL_RUNNER=0 is set", "Unset it to use MRv2."
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        return "Triton is unusable on this machine", "MRv2 needs Triton."
+    unsupported = vllm_config._get_v2_model_runner_unsupported_features()
+    return (
+        f"MRv2 does not yet support {', '.join(unsupported) or 'this config'}",
+        "Turn those features off to use MRv2.",
     )
 
 

@@ -52,8 +52,9 @@ from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from cg_extract import get_logger, target_buffers
+from cg_extract.cache_backend import report_graph_support
 from cg_extract.capture_sizes import CaptureSizes
-from cg_extract.config import ExtractGraphConfig
+from cg_extract.config import ExtractGraphConfig, given_keys
 from cg_extract.vllm_graphs import SpeculatorGraphs
 from cg_extract.write_graphs import GraphInputs, WriteGraphs
 from cg_extract.write_op import write_hidden_states
@@ -128,6 +129,9 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         (self.layer_name,) = self.draft_attn_layer_names
         forward_context = self.vllm_config.compilation_config.static_forward_context
         self.cache_layer = forward_context[self.layer_name]
+        # Before the runner builds its attention groups, so the draft layer
+        # does not lower the target's graph mode (see cache_backend).
+        report_graph_support(self.cache_layer)
         if self.cache_layer.kv_cache_torch_dtype != self.dtype:
             raise ValueError(
                 f"the hidden-state cache is {self.cache_layer.kv_cache_torch_dtype} "
@@ -214,13 +218,21 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
 
     def _graph_backend(self, mode: CUDAGraphMode) -> tuple[str | None, str]:
         if not self.graph_config.cudagraph:
-            return None, "'cudagraph' is false in the speculative config"
+            if "cudagraph" in given_keys(self.vllm_config):
+                return None, "'cudagraph' is false"
+            return None, (
+                'graph mode is off by default; add "cudagraph": true to the '
+                "speculative config to capture the write as CUDA graphs"
+            )
         if self.speculative_config.enforce_eager:
             return None, "the speculative config sets enforce_eager"
-        if not mode.has_full_cudagraphs():
+        # Any mode with graphs will do: copy-in graphs need nothing of the
+        # target's, and zero-copy ones are captured only where the target
+        # has FULL graphs (see _persistent_inputs).
+        if mode == CUDAGraphMode.NONE:
             return None, (
-                f"the runner's cudagraph_mode is {mode.name}, which has no FULL "
-                "graphs (needs FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE)"
+                "the runner's cudagraph_mode is NONE (enforce_eager, or a "
+                "platform without CUDA graphs)"
             )
         backend = self.graph_config.cudagraph_backend
         if backend == "auto":

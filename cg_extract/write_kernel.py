@@ -5,6 +5,8 @@ One program per (token, chunk of ``BLOCK_H`` hidden values) stores that
 chunk of every aux layer; the layers are a tuple of pointers, unrolled at
 compile time, so all ``L`` of them go in one launch whatever their memory
 (separate persistent buffers, views of one stacked buffer, any row stride).
+Slots may be a strided view too (a column of a wider tensor), as the torch
+body allows.
 A token whose slot is negative (vLLM's padding) loads its slot and nothing
 else: no aux read, no cache write, block 0 included. Slots are not bounds
 checked, as in vLLM's own cache kernels.
@@ -33,7 +35,8 @@ def _write_kernel(
     aux_row_strides,  # tuple of L ints
     aux_col_strides,  # tuple of L ints
     cache_ptr,  # [num_blocks, L, block_size, H]
-    slot_ptr,  # [n]
+    slot_ptr,  # [n], any stride
+    slot_stride,
     block_size,
     stride_block,
     stride_layer,
@@ -43,7 +46,7 @@ def _write_kernel(
     BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
+    slot = tl.load(slot_ptr + row * slot_stride).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     # A negative slot masks every lane: nothing is read or written.
     mask = cols < tl.where(slot >= 0, hidden_size, 0)
@@ -78,6 +81,7 @@ def write_owned_slots(
         tuple(h.stride(1) for h in aux_hidden_states),
         kv_cache,
         slot_mapping,
+        slot_mapping.stride(0),
         kv_cache.shape[2],
         *kv_cache.stride(),
         hidden_size,

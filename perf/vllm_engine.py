@@ -1,8 +1,14 @@
-"""The ``vllm`` engine: a whole ``LLM`` generating, ``cudagraph`` false and true.
+"""The ``vllm`` engine: a whole ``LLM`` generating, with vLLM's own speculator
+(``upstream``) and with ours, ``cudagraph`` false (``eager``) and true
+(``graph``): the end-to-end effect of the plugin, FULL target graphs kept
+included, in one command.
 
-Both engines are alive at once (each with ``--gpu-memory-utilization`` of the
-GPU) so that their ``generate`` calls can be interleaved like every other
-engine's modes. A size here is the number of prompts per ``generate`` call;
+Every mode's engine is alive at once (each with ``--gpu-memory-utilization``
+of the GPU) so that their ``generate`` calls can be interleaved like every
+other engine's modes. vLLM loads the plugin in every process it starts, so
+the ``upstream`` engine is built with ``VLLM_PLUGINS`` set to load none, and
+every engine core is spawned (a forked one would inherit this process, where
+the plugin already replaced vLLM's class). A size here is the number of prompts per ``generate`` call;
 each prompt generates ``--max-tokens`` tokens with EOS ignored. Latency
 columns are per generated token position: a call's wall time divided by
 ``--max-tokens`` (prefill included).
@@ -14,10 +20,11 @@ was written on: see perf/README.md.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,10 +33,14 @@ from perf.engines import VLLM_DTYPES, Mode
 from perf.measure import Timings, interleaved_schedule
 from perf.report import add_speedups
 
-# Mode -> our ``cudagraph`` key. vLLM's own class is not a mode here: the
-# plugin replaces it in every engine process of this interpreter.
-CUDAGRAPH = {"eager": False, "graph": True}
+# Mode -> our keys in the speculative config; None: the plugin not loaded.
+OUR_KEYS = {
+    "upstream": None,
+    "eager": {"cudagraph": False},
+    "graph": {"cudagraph": True},
+}
 MODES = {
+    "upstream": Mode("upstream", "a whole LLM with vLLM's own speculator", None),
     "eager": Mode("eager", "a whole LLM with ours, cudagraph false", None),
     "graph": Mode("graph", "a whole LLM with ours, cudagraph true", None),
 }
@@ -58,7 +69,8 @@ def check_can_run() -> None:
 def run(args: Any, sampler: Any, emit: Callable[[list[dict[str, Any]]], None]) -> None:
     """Emit one row per mode as each size finishes."""
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    llms = {mode: _make_llm(args, CUDAGRAPH[mode]) for mode in args.modes_for["vllm"]}
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    llms = {mode: _make_llm(args, OUR_KEYS[mode]) for mode in args.modes_for["vllm"]}
     for size in args.sizes:
         generator = torch.Generator().manual_seed(args.seed + size)
         prompts = [
@@ -74,19 +86,38 @@ def run(args: Any, sampler: Any, emit: Callable[[list[dict[str, Any]]], None]) -
         emit(size_rows)
 
 
-def _make_llm(args: Any, cudagraph: bool):
+def _make_llm(args: Any, our_keys: dict[str, Any] | None):
     from vllm import LLM
 
     from tests.harness import speculative_config
 
-    return LLM(
-        model=args.model,
-        speculative_config=speculative_config(list(args.layers), cudagraph=cudagraph),
-        dtype=VLLM_DTYPES[args.dtype],
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=max(args.sizes),
-        seed=args.seed,
-    )
+    with _plugins_loaded(our_keys is not None):
+        return LLM(
+            model=args.model,
+            speculative_config=speculative_config(
+                list(args.layers), **(our_keys or {})
+            ),
+            dtype=VLLM_DTYPES[args.dtype],
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_num_seqs=max(args.sizes),
+            seed=args.seed,
+        )
+
+
+@contextlib.contextmanager
+def _plugins_loaded(ours: bool) -> Iterator[None]:
+    """Without ``ours``, the engine processes started inside load no plugin
+    (they read ``VLLM_PLUGINS`` when they start), so they build vLLM's class."""
+    saved = os.environ.get("VLLM_PLUGINS")
+    if not ours:
+        os.environ["VLLM_PLUGINS"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_PLUGINS", None)
+        else:
+            os.environ["VLLM_PLUGINS"] = saved
 
 
 def _measure(args, llms, prompts, sampler) -> list[dict[str, Any]]:

@@ -19,3 +19,38 @@ def model_dir(tmp_path_factory):
     from tests.harness import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def cg_extract_log():
+    """Messages our ``vllm.cg_extract.*`` loggers emit during the test.
+
+    Recorded by a filter on each of our module loggers: whenever vLLM
+    (re)configures logging it stops its tree propagating to the root and
+    clears the handlers of loggers below it, so neither pytest's ``caplog``
+    nor a handler of ours would see every record; filters stay.
+    """
+    import logging
+
+    import cg_extract.cache_backend
+    import cg_extract.plugin
+    import cg_extract.speculator  # noqa: F401  (their module loggers exist)
+
+    messages: list[str] = []
+
+    def record(rec: logging.LogRecord) -> bool:
+        messages.append(rec.getMessage())
+        return True
+
+    ours = [
+        logging.getLogger(name)
+        for name in logging.root.manager.loggerDict
+        if name.startswith("vllm.cg_extract.")
+    ]
+    for logger in ours:
+        logger.addFilter(record)
+    try:
+        yield messages
+    finally:
+        for logger in ours:
+            logger.removeFilter(record)

@@ -370,6 +370,43 @@ def test_cuda_backend_without_cuda(model_dir):
         build_vllm_config(model_dir, cudagraph=True, cudagraph_backend="cuda")
 
 
+NO_EFFECT = "'cudagraph': true has no effect here"
+
+
+@pytest.mark.parametrize(
+    "env, keys, reason",
+    [
+        ("0", OURS, "VLLM_USE_V2_MODEL_RUNNER=0 is set"),
+        # This machine has no Triton backend vLLM accepts, so vLLM picks V1.
+        (None, OURS, "Triton is unusable on this machine"),
+        ("0", {**OURS, "cudagraph": False}, None),
+        ("0", {}, None),
+    ],
+)
+def test_graphs_that_cannot_take_effect_are_named(
+    model_dir, monkeypatch, cg_extract_log, env, keys, reason
+):
+    """Our speculator exists on Model Runner V2 only: with V1, vLLM's own
+    proposer runs, so ``"cudagraph": true`` is said to do nothing, at config
+    time, with vLLM's own reason and the way out."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+        if HAS_TRITON:
+            pytest.skip("Triton is usable here")
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    cfg = build_vllm_config(model_dir, **keys)
+    warnings = [m for m in cg_extract_log if NO_EFFECT in m]
+    assert not cfg.use_v2_model_runner  # V2 needs Triton, which this CPU lacks
+    if reason is None:
+        assert warnings == []
+    else:
+        (warning,) = warnings
+        assert reason in warning and "Model Runner V2 only" in warning
+
+
 def test_stock_vllm_rejects_the_key_without_the_plugin(model_dir):
     code = (
         "from vllm.engine.arg_utils import EngineArgs\n"

@@ -183,15 +183,13 @@ def test_data_parallel_steps_use_this_ranks_count(model_dir, monkeypatch):
     [
         (CUDAGraphMode.NONE, GRAPH_KEYS, "cudagraph_mode is NONE"),
         (
-            CUDAGraphMode.PIECEWISE,
-            GRAPH_KEYS,
-            "cudagraph_mode is PIECEWISE, which has no FULL",
-        ),
-        (
             CUDAGraphMode.FULL,
             {**GRAPH_KEYS, "cudagraph": False},
             "'cudagraph' is false",
         ),
+        # Never given: the line says how to switch graphs on, and does not
+        # claim a value the user never wrote.
+        (CUDAGraphMode.FULL, {}, 'add "cudagraph": true'),
         (
             CUDAGraphMode.FULL,
             {**GRAPH_KEYS, "enforce_eager": True},
@@ -210,6 +208,8 @@ def test_no_graphs_and_why(model_dir, mode, keys, reason):
     )
     backend, why = loaded.speculator._graph_backend(mode)
     assert backend is None and reason in why
+    if "cudagraph" not in keys:
+        assert "'cudagraph' is false" not in why
     loaded.speculator.init_cudagraph_manager(mode)
     assert loaded.speculator.cudagraph_manager is None
     loaded.speculator.capture()  # a no-op, as the runner calls it regardless
@@ -226,9 +226,11 @@ def test_no_graphs_and_why(model_dir, mode, keys, reason):
         CUDAGraphMode.FULL,
         CUDAGraphMode.FULL_DECODE_ONLY,
         CUDAGraphMode.FULL_AND_PIECEWISE,
+        # The copy-in graphs need no FULL target graph.
+        CUDAGraphMode.PIECEWISE,
     ],
 )
-def test_full_modes_capture(model_dir, mode):
+def test_every_mode_with_graphs_captures(model_dir, mode):
     graphed = graph_speculator(build_vllm_config(model_dir, **GRAPH_KEYS), mode=mode)
     assert graphed.speculator.cudagraph_stats()["captured_sizes"] == SIZES
 

@@ -67,3 +67,17 @@ def test_kernel_in_a_real_cuda_graph():
         manager.replay(64)
         torch.cuda.synchronize()
         assert same_bytes(cache, new.expected()), f"replay {seed}"
+
+
+@pytest.mark.cuda
+def test_kernel_on_cuda_reads_strided_slots():
+    """A slot view with stride 2 (a column of a wider tensor) through the op."""
+    case = write_case(
+        torch.Generator().manual_seed(2), 40, 3, 512, torch.bfloat16, "separate", [7]
+    ).to("cuda")
+    strided = torch.stack([case.slots, case.slots.flip(0)], dim=1)[:, 0]
+    assert strided.stride(0) == 2
+    got = case.fresh_cache()
+    write_hidden_states(case.aux, got, strided)
+    torch.cuda.synchronize()
+    assert same_bytes(got, case.expected())

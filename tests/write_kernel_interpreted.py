@@ -96,3 +96,24 @@ def test_all_padding_touches_nothing():
     got = case.fresh_cache()
     write_kernel.write_owned_slots(case.aux, got, case.slots)
     assert torch.equal(got, case.fresh_cache())
+
+
+def test_strided_slots_are_read_by_their_stride():
+    """A slot view with stride 2 (every other element of a wider tensor, each
+    skipped element a live slot of another token): the kernel must read
+    ``slot_mapping[t]``, not ``slot_ptr + t``."""
+    case = write_case(
+        torch.Generator().manual_seed(1),
+        num_tokens=7,
+        num_layers=2,
+        hidden_size=48,
+        dtype=torch.float16,
+        layout="separate",
+        padding=[2],
+    )
+    wide = torch.stack([case.slots, case.slots.flip(0)], dim=1)
+    strided = wide[:, 0]
+    assert strided.stride(0) == 2 and torch.equal(strided, case.slots)
+    got = case.fresh_cache()
+    write_kernel.write_owned_slots(case.aux, got, strided)
+    assert same_bytes(got, case.expected())
