@@ -36,10 +36,6 @@ from tests.real_engine import (
     lock_is_free,
 )
 
-# A KV cache of about 1000 tokens (11 KiB a token: the target's K and V, 8 KiB,
-# and the three aux hidden states, 3 KiB): room for every scenario but
-# "preemption", whose batch needs more.
-KV_CACHE_BYTES = 11 << 20
 PREFIX = 96  # three blocks
 FLUSH_STEPS = 50
 
@@ -53,9 +49,11 @@ def saves_outputs(sampling: SamplingParams) -> bool:
     return bool(extra.get("include_output_tokens"))
 
 
-def params(max_tokens: int, with_outputs: bool = False):
+def params(max_tokens: int, with_outputs: bool = True):
     """Greedy, a fixed length; ``with_outputs`` saves the generated tokens'
-    hidden states too (``include_output_tokens``: all but the last token)."""
+    hidden states too (``include_output_tokens``: all but the last token).
+    The scenarios save them: decode steps are small, so their rows are the
+    ones graphs write, and the comparison must see them."""
     extra = {"kv_transfer_params": {"include_output_tokens": True}}
     return SamplingParams(
         max_tokens=max_tokens,
@@ -126,17 +124,17 @@ class Run:
 
 def chunked_prefill(run: Run):
     """Prompts longer than a step's token budget prefill over several steps
-    (of 64 tokens: eager), then decode once together (6 tokens: a graph)."""
+    (of 64 tokens: eager), then decode once together (a graph)."""
     lengths = [150, 300, 97]
     requests = run.generate([tokens(run.rng, n) for n in lengths], params(2))
     return requests, {"max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS}
 
 
 def decode(run: Run):
-    """Several decode steps; the saved rows include the generated tokens'."""
+    """Several decode steps."""
     lengths = [10, 40, 70, 33]
     prompts = [tokens(run.rng, n) for n in lengths]
-    return run.generate(prompts, params(12, with_outputs=True)), {"max_tokens": 12}
+    return run.generate(prompts, params(12)), {"max_tokens": 12}
 
 
 def prefix_cache_hits(run: Run):
@@ -153,7 +151,7 @@ def preemption(run: Run):
     preempts some and recomputes them later."""
     before = run.preemptions
     prompts = [tokens(run.rng, 100) for _ in range(8)]
-    requests = run.generate(prompts, params(40, with_outputs=True))
+    requests = run.generate(prompts, params(40))
     return requests, {"preemptions": run.preemptions - before}
 
 
@@ -166,9 +164,7 @@ def aborted_mid_flight(run: Run):
         name: tokens(run.rng, n) for name, n in zip(names, (50, 60, 70), strict=True)
     }
     ids = {
-        name: engine.add_request(
-            name, {"prompt_token_ids": prompt}, params(30, with_outputs=True)
-        )
+        name: engine.add_request(name, {"prompt_token_ids": prompt}, params(30))
         for name, prompt in prompts.items()
     }
     victim, generated, finished, aborted_after = names[1], {}, {}, None
@@ -207,7 +203,7 @@ def many_prompt_lengths(run: Run):
 def client_prompts(run: Run):
     """The prompts ``tests/test_e2e_server.py`` sends through the server, one
     token each, as the users' client asks: the in-process reference."""
-    return run.generate(server_prompts(), params(1)), {}
+    return run.generate(server_prompts(), params(1, with_outputs=False)), {}
 
 
 def server_prompts() -> list[list[int]]:
@@ -271,7 +267,6 @@ def main(argv: list[str] | None = None) -> None:
             args.way,
             args.model_dir,
             args.storage,
-            KV_CACHE_BYTES,
             tensor_parallel_size=args.tensor_parallel_size,
             load_format=args.load_format,
         )
