@@ -3,12 +3,13 @@
 On a CPU the platform forces ``cudagraph_mode`` NONE and the worker never
 calls the runner's ``capture_model``, so our speculator would never capture.
 This worker, loaded by qualified name through vLLM's own ``worker_cls``
-engine argument (``--worker-cls``), adds to ``compile_or_warm_up_model`` the
-two calls a GPU worker's ``capture_model`` makes on the speculator:
-``init_cudagraph_manager`` with a mode that has FULL graphs, then
-``capture()`` in the draft's workspace lane. It does that for every
-speculator; vLLM's own class and ours with ``cudagraph`` false capture
-nothing.
+engine argument (``--worker-cls``), ends ``compile_or_warm_up_model`` with the
+two calls a GPU runner makes on the speculator: ``init_cudagraph_manager``
+with a mode that has FULL graphs (a GPU runner makes it from
+``initialize_kv_cache``, with its resolved mode; ours only plans there, so
+planning after the KV cache is bound comes to the same), then ``capture()`` in the draft's workspace lane (from
+``capture_model``). It does that for every speculator; vLLM's own class and
+ours with ``cudagraph`` false capture nothing.
 
 Its other methods are for tests to call through ``collective_rpc``
 (``LLM.collective_rpc``, or the server's dev-mode ``/collective_rpc``).
@@ -23,9 +24,8 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.workspace import use_workspace_lane
 
-QUALNAME = f"{__name__}.SpeculatorGraphsCPUWorker"
-# What a GPU runner resolves for a decoder with one speculative token, its
-# default; the speculator captures FULL graphs under it.
+# vLLM's default mode, as a GPU runner keeps it when every attention backend
+# supports FULL graphs; ours captures under it.
 GPU_MODE = CUDAGraphMode.FULL_AND_PIECEWISE
 
 
@@ -50,7 +50,6 @@ class SpeculatorGraphsCPUWorker(CPUWorker):
 
     def hidden_state_cache(self) -> torch.Tensor:
         """This rank's hidden-state KV cache (a copy)."""
-        layer = self.model_runner.speculator.draft_attn_layer_names
-        (name,) = layer
+        (name,) = self.model_runner.speculator.draft_attn_layer_names
         context = self.vllm_config.compilation_config.static_forward_context
         return context[name].kv_cache.clone()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -71,6 +72,8 @@ class Run:
         self.storage = storage
         self.rng = random.Random(18)
         self.preemptions = 0
+        # vLLM counts preemptions only for its stats logger; count them at
+        # the scheduler's one place that preempts.
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         preempt = scheduler._preempt_request
 
@@ -194,7 +197,7 @@ def aborted_mid_flight(run: Run):
 
 
 def many_prompt_lengths(run: Run):
-    """Lengths around every capture size and block size, in one batch."""
+    """Lengths around every capture size and block size, in one call."""
     lengths = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 129]
     requests = run.generate([tokens(run.rng, n) for n in lengths], params(2))
     return requests, {"lengths": lengths}
@@ -285,8 +288,6 @@ def main(argv: list[str] | None = None) -> None:
         }
     args.out.write_text(json.dumps(results, indent=1))
     if args.caches:
-        import torch
-
         torch.save(llm.collective_rpc("hidden_state_cache"), args.caches)
 
 

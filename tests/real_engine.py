@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -38,12 +39,13 @@ import pytest
 import torch
 
 from tests.cpu_hidden_states_connector import kv_transfer_config
-from tests.engine_worker import QUALNAME as WORKER
 from tests.harness import emulated_graph_keys, speculative_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = Path(__file__).resolve().parent / "engine_site"
 PLUGIN = "cg_extract"
+# Named, not imported: vLLM imports it in the worker process (--worker-cls).
+WORKER = "tests.engine_worker.SpeculatorGraphsCPUWorker"
 
 WAYS = ("vllm", "eager", "graphs")
 AUX_LAYER_IDS = [1, 2, 3]
@@ -120,8 +122,6 @@ def engine_kwargs(
 
 def cli_args(kwargs: Mapping[str, Any]) -> list[str]:
     """The same keywords as ``vllm serve`` flags (dicts as JSON)."""
-    import json
-
     args = []
     for key, value in kwargs.items():
         if key == "model":
@@ -164,7 +164,8 @@ class EngineRun:
             )
 
     def failure(self, what: str) -> str:
-        return f"{' '.join(self.args)} {what}; its log ({self.log}) ends:\n{log_tail(self.log)}"
+        command = " ".join(self.args)
+        return f"{command} {what}; its log ({self.log}) ends:\n{log_tail(self.log)}"
 
 
 def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
