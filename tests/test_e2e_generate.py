@@ -1,0 +1,155 @@
+"""``LLM.generate`` through vLLM's real MRv2 engine on a CPU, three ways.
+
+One engine per way, all started at once, each running every scenario of
+:mod:`tests.generate_scenarios` in turn: vLLM's own speculator (the plugin not
+loaded), ours eagerly, ours with emulated graphs (captured after the worker's
+start-up, as a GPU worker's ``capture_model`` would). Every scenario must
+leave, for every request, the same saved hidden states and token ids, byte
+for byte, and the same generated tokens, in all three; and the graph run must
+have replayed during it.
+"""
+
+import pytest
+
+pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
+
+import torch
+
+from tests.generate_scenarios import GENERATE_SCENARIOS, PREFIX, scenario_run
+from tests.real_engine import (
+    AUX_LAYER_IDS,
+    CAPTURE_SIZES,
+    MAX_NUM_BATCHED_TOKENS,
+    WAYS,
+    assert_same_saves,
+    load_saved,
+    require_cpu_engine,
+    run_engines,
+)
+
+pytestmark = pytest.mark.e2e
+
+UPSTREAM = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
+OURS = "cg_extract.speculator"
+HIDDEN_SIZE = 256  # tests.harness.write_model_dir's
+
+
+@pytest.fixture(scope="module")
+def results(model_dir, tmp_path_factory):
+    """Each way's results, per scenario (see generate_scenarios.main)."""
+    require_cpu_engine()
+    workdir = tmp_path_factory.mktemp("e2e_generate")
+    runs = {way: scenario_run(way, way, model_dir, workdir) for way in WAYS}
+    run_engines([run.engine for run in runs.values()], timeout=600)
+    return {way: run.results() for way, run in runs.items()}
+
+
+def stats(result: dict, when: str) -> dict:
+    (rank0,) = result[when]  # one rank
+    return rank0
+
+
+def stats_delta(result: dict, key: str) -> int:
+    return (
+        stats(result, "stats_after")["stats"][key]
+        - (stats(result, "stats_before")["stats"][key])
+    )
+
+
+def test_each_way_runs_its_speculator(results):
+    for way, result in results.items():
+        for scenario in result.values():
+            after = stats(scenario, "stats_after")
+            cls, graphs = after["class"], after["stats"]
+            if way == "vllm":
+                assert cls == f"{UPSTREAM}.ExtractHiddenStatesSpeculator"
+                assert graphs is None
+            else:
+                assert cls == f"{OURS}.ExtractHiddenStatesSpeculator"
+                captured = CAPTURE_SIZES if way == "graphs" else []
+                assert graphs["captured_sizes"] == captured, way
+
+
+# What each scenario is named for, seen in the vLLM run (the others must
+# match it request by request).
+def _chunked(requests, evidence):
+    assert evidence["max_num_batched_tokens"] == MAX_NUM_BATCHED_TOKENS
+    assert all(len(r["prompt"]) > MAX_NUM_BATCHED_TOKENS for r in requests)
+
+
+def _decode(requests, evidence):
+    assert all(len(r["output"]) == evidence["max_tokens"] > 1 for r in requests)
+
+
+def _prefix_hits(requests, evidence):
+    first, *rest = requests
+    assert first["cached"] == 0
+    assert [r["cached"] for r in rest] == [evidence["shared_prefix"]] * len(rest)
+    assert evidence["shared_prefix"] == PREFIX
+
+
+def _preemption(requests, evidence):
+    assert evidence["preemptions"] > 0
+
+
+def _aborted(requests, evidence):
+    by_name = {r["name"]: r for r in requests}
+    victim = by_name.pop(evidence["aborted"])
+    assert victim["finish_reason"] == "abort"
+    assert len(victim["output"]) == evidence["aborted_after_tokens"] < 30
+    assert all(len(r["output"]) == 30 for r in by_name.values())
+
+
+def _many_lengths(requests, evidence):
+    assert [len(r["prompt"]) for r in requests] == evidence["lengths"]
+
+
+SHOWS = {
+    "chunked_prefill": _chunked,
+    "decode": _decode,
+    "prefix_cache_hits": _prefix_hits,
+    "preemption": _preemption,
+    "aborted_mid_flight": _aborted,
+    "many_prompt_lengths": _many_lengths,
+}
+
+
+def test_every_scenario_is_checked():
+    assert list(SHOWS) == GENERATE_SCENARIOS
+
+
+@pytest.mark.parametrize("scenario", GENERATE_SCENARIOS)
+def test_three_ways_save_the_same_bytes(results, scenario):
+    reference = results["vllm"][scenario]
+    SHOWS[scenario](reference["requests"], reference["evidence"])
+    for i, want in enumerate(reference["requests"]):
+        saved = load_saved(want["path"])
+        # The connector's contract, checked on vLLM's own run: the prompt's
+        # rows (and the generated tokens' but the last, when asked for),
+        # every one written.
+        tokens = want["prompt"] + (want["output"][:-1] if want["with_outputs"] else [])
+        assert saved["token_ids"].tolist() == tokens, f"{scenario} request {i}"
+        hidden = saved["hidden_states"]
+        assert hidden.shape == (len(tokens), len(AUX_LAYER_IDS), HIDDEN_SIZE)
+        assert hidden.dtype == torch.float32
+        assert bool((hidden.abs().sum(dim=(1, 2)) > 0).all()), "a row never written"
+        for way in ("eager", "graphs"):
+            got = results[way][scenario]["requests"][i]
+            what = f"{scenario}, request {i}, {way} against vLLM's speculator"
+            assert got["output"] == want["output"], what
+            assert (got["finish_reason"], got["cached"]) == (
+                want["finish_reason"],
+                want["cached"],
+            ), what
+            assert_same_saves(load_saved(got["path"]), saved, what)
+    assert len(results["eager"][scenario]["requests"]) == len(reference["requests"])
+    assert len(results["graphs"][scenario]["requests"]) == len(reference["requests"])
+
+
+@pytest.mark.parametrize("scenario", GENERATE_SCENARIOS)
+def test_the_graph_run_replayed(results, scenario):
+    graphs, eager = results["graphs"][scenario], results["eager"][scenario]
+    assert stats_delta(graphs, "copy_in_replays") > 0
+    assert stats_delta(graphs, "zero_copy_replays") == 0  # no target graphs on CPU
+    assert stats_delta(eager, "replays") == 0
+    assert stats_delta(eager, "eager_steps") > 0

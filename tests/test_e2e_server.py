@@ -1,0 +1,70 @@
+"""The OpenAI-compatible server with the plugin and ``"cudagraph": true``,
+driven by the users' client (:mod:`tests.users_client`), against an
+in-process ``LLM.generate`` of the same prompts with vLLM's own speculator.
+
+The server is started as a user starts it, plus two test-only settings: our
+keys name the ``emulated`` backend, and ``--worker-cls`` names
+:mod:`tests.engine_worker`, which captures our graphs after the worker's
+start-up as a GPU worker would (on a CPU vLLM never captures). So the
+server's steps replay our graphs, and ``VLLM_SERVER_DEV_MODE``'s
+``/collective_rpc`` lets the test read ``cudagraph_stats()`` back.
+"""
+
+import pytest
+
+pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
+
+import asyncio
+
+from tests.generate_scenarios import scenario_run, server_prompts
+from tests.openai_server import request, serve
+from tests.real_engine import (
+    CAPTURE_SIZES,
+    assert_same_saves,
+    engine_env,
+    engine_kwargs,
+    load_saved,
+    require_cpu_engine,
+    run_engines,
+)
+from tests.users_client import fetch_all
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory):
+    """What the users' client got from the server, its graph stats, and the
+    in-process reference's results (run while the server starts)."""
+    require_cpu_engine()
+    workdir = tmp_path_factory.mktemp("e2e_server")
+    kwargs = engine_kwargs("graphs", model_dir, workdir / "served")
+    reference = scenario_run(
+        "reference", "vllm", model_dir, workdir, "--scenarios", "client_prompts"
+    )
+    env = engine_env("graphs", VLLM_SERVER_DEV_MODE="1")
+    with serve(kwargs, env, workdir / "server.log") as base_url:
+        run_engines([reference.engine], timeout=300)
+        got = asyncio.run(fetch_all(base_url, str(model_dir), server_prompts()))
+        _, rpc = request(f"{base_url}/collective_rpc", {"method": "speculator_stats"})
+    return got, rpc["results"], reference.results()["client_prompts"]["requests"]
+
+
+def test_the_server_ran_our_graphs(served):
+    _, (rank0,), _ = served
+    assert rank0["class"] == "cg_extract.speculator.ExtractHiddenStatesSpeculator"
+    assert rank0["stats"]["captured_sizes"] == CAPTURE_SIZES
+    assert rank0["stats"]["copy_in_replays"] > 0
+
+
+def test_the_users_client_gets_vllms_bytes(served):
+    got, _, reference = served
+    prompts = server_prompts()
+    assert len(got) == len(reference) == len(prompts)
+    for i, ((path, saved), want) in enumerate(zip(got, reference, strict=True)):
+        assert want["prompt"] == prompts[i]
+        assert saved["token_ids"].tolist() == prompts[i]
+        assert not path.with_name(path.name + ".lock").exists()  # the client's
+        assert_same_saves(
+            saved, load_saved(want["path"]), f"prompt {i} ({len(prompts[i])} tokens)"
+        )
