@@ -40,12 +40,26 @@ class SpeculatorGraphsCPUWorker(CPUWorker):
         return times
 
     def speculator_stats(self) -> dict[str, Any] | None:
-        """Our ``cudagraph_stats()`` and the class's name; None for vLLM's."""
-        speculator = self.model_runner.speculator
+        """Our ``cudagraph_stats()`` (None for vLLM's class), the class's name,
+        and the CUDA graph support the draft layer's metadata builder reports
+        in the runner's own attention groups, the value MRv2 resolves its
+        graph mode from."""
+        runner = self.model_runner
+        speculator = runner.speculator
         stats = getattr(speculator, "cudagraph_stats", None)
+        (draft,) = [
+            group
+            for groups in runner.attn_groups
+            for group in groups
+            if set(group.layer_names) == speculator.draft_attn_layer_names
+        ]
+        support = draft.get_metadata_builder(0).get_cudagraph_support(
+            self.vllm_config, draft.kv_cache_spec
+        )
         return {
             "class": f"{type(speculator).__module__}.{type(speculator).__name__}",
             "stats": stats() if stats is not None else None,
+            "draft_cg_support": support.name,
         }
 
     def hidden_state_cache(self) -> torch.Tensor:

@@ -64,8 +64,12 @@ def test_each_way_runs_its_speculator(results):
             if way == "vllm":
                 assert cls == f"{UPSTREAM}.ExtractHiddenStatesSpeculator"
                 assert graphs is None
+                # vLLM's draft layer is what lowers a GPU runner's mode.
+                assert after["draft_cg_support"] == "NEVER"
             else:
                 assert cls == f"{OURS}.ExtractHiddenStatesSpeculator"
+                # Ours never is, with or without graphs (issue 17).
+                assert after["draft_cg_support"] == "ALWAYS"
                 captured = CAPTURE_SIZES if way == "graphs" else []
                 assert graphs["captured_sizes"] == captured, way
 
