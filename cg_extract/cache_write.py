@@ -58,67 +58,46 @@ def write_owned_slots(
     for every ``slot = slot_mapping[t] >= 0``; a negative slot writes nothing.
 
     On a CPU reading the slots is free (no device to wait for), so padding is
-    dropped on the host; the Triton kernel masks it instead. Three bodies,
-    by token count, each the cheapest there (``perf/write_op_cost.py``
-    measures them): :func:`copy_rows`, :func:`scatter_stacked`,
-    :func:`scatter_layers`.
+    dropped on the host; the Triton kernel masks it instead. Up to
+    :data:`COPY_UP_TO` tokens each owned token's rows take one copy
+    (:func:`copy_rows`), above that each layer one scatter
+    (:func:`scatter_layers`).
     """
-    num_tokens = slot_mapping.shape[0]
-    if num_tokens <= ROWS_UP_TO:
-        copy_rows(aux_hidden_states, kv_cache, slot_mapping)
+    if slot_mapping.shape[0] <= COPY_UP_TO:
+        copy_rows(aux_hidden_states, kv_cache, slot_mapping.tolist())
         return
     if int(slot_mapping.min()) < 0:
         owned = (slot_mapping >= 0).nonzero().squeeze(1)
         slot_mapping = slot_mapping[owned]
         aux_hidden_states = [hidden[owned] for hidden in aux_hidden_states]
-    _, num_layers, _, hidden_size = kv_cache.shape
-    row_bytes = num_layers * hidden_size * kv_cache.element_size()
-    if num_tokens * row_bytes <= STACK_UP_TO_BYTES:
-        scatter_stacked(aux_hidden_states, kv_cache, slot_mapping)
-    else:
-        scatter_layers(aux_hidden_states, kv_cache, slot_mapping)
+    scatter_layers(aux_hidden_states, kv_cache, slot_mapping)
 
 
-# Where each body is used: the crossovers perf/write_op_cost.py measured on a
-# 2-core AMD EPYC (family 26 model 2), bf16, hidden 1024 x 3 layers and
-# 4096 x 4 (perf/README.md, "The write op's fixed cost"). Copying rows one
-# token at a time costs least up to 3 tokens at both shapes (counting the
-# min() of the slots the scatters need first); the stack, until it copies
-# about 128 KiB (21 tokens of 1024 x 3, 4 of 4096 x 4); then a scatter per
-# layer.
-ROWS_UP_TO = 3
-STACK_UP_TO_BYTES = 128 * 1024
+# The crossover perf/write_op_cost.py measured on a 2-core AMD EPYC (family 26
+# model 2), bf16, hidden 1024 x 3 layers and 4096 x 4, with warm caches and
+# with every cache evicted before each call (perf/README.md, "The write op's
+# fixed cost"): the copies cost least up to 4 tokens in all four.
+COPY_UP_TO = 4
 
 
 def copy_rows(
     aux_hidden_states: Sequence[torch.Tensor],
     kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slots: list[int],
 ) -> None:
-    """One copy per owned slot of its ``[L, H]`` cache rows: no index
-    arithmetic, no scatter, the least fixed cost (a few tokens only)."""
+    """One copy per owned slot (``slots``: the slot mapping as a list) of its
+    ``[L, H]`` cache rows: no index tensors, the least fixed cost; any cache
+    strides."""
     block_size = kv_cache.shape[2]
     rows = None
-    for token, slot in enumerate(slot_mapping.tolist()):
+    for token, slot in enumerate(slots):
         if slot < 0:
             continue
-        if rows is None:
-            rows = _stack(aux_hidden_states, kv_cache)
+        if rows is None:  # [n, L, H], each token's layers side by side
+            _, num_layers, _, hidden_size = kv_cache.shape
+            rows = torch.cat(list(aux_hidden_states), 1)
+            rows = rows.view(len(slots), num_layers, hidden_size)
         kv_cache[slot // block_size, :, slot % block_size] = rows[token]
-
-
-def scatter_stacked(
-    aux_hidden_states: Sequence[torch.Tensor],
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Every slot >= 0: the layers stacked, then one scatter of all of them
-    (the stack costs less than ``L - 1`` more scatters at a few tokens)."""
-    blocks, offsets = _block_offsets(slot_mapping, kv_cache.shape[2])
-    stacked = _stack(aux_hidden_states, kv_cache)
-    kv_cache, (stacked,) = _as_words(kv_cache, [stacked])
-    # aten's overload, unlike Tensor.index_put_, takes None for a whole dim
-    torch.ops.aten.index_put_.default(kv_cache, [blocks, None, offsets], stacked)
 
 
 def scatter_layers(
@@ -127,27 +106,13 @@ def scatter_layers(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Every slot >= 0: one scatter per layer, straight from its aux hidden
-    state (no stacked copy of the payload)."""
-    blocks, offsets = _block_offsets(slot_mapping, kv_cache.shape[2])
+    state (no stacked copy of the payload); any cache strides."""
+    block_size = kv_cache.shape[2]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping.remainder(block_size)
     kv_cache, aux_hidden_states = _as_words(kv_cache, aux_hidden_states)
     for layer_cache, hidden in zip(kv_cache.unbind(1), aux_hidden_states, strict=True):
         layer_cache.index_put_((blocks, offsets), hidden)
-
-
-def _stack(
-    aux_hidden_states: Sequence[torch.Tensor], kv_cache: torch.Tensor
-) -> torch.Tensor:
-    """``[n, L, H]``, each token's layers side by side: one ``cat``."""
-    _, num_layers, _, hidden_size = kv_cache.shape
-    stacked = torch.cat(list(aux_hidden_states), 1)
-    return stacked.view(len(stacked), num_layers, hidden_size)
-
-
-def _block_offsets(
-    slot_mapping: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    return blocks, slot_mapping.remainder(block_size)
 
 
 # Wider element types a row of hidden values can be viewed as, widest first.

@@ -18,10 +18,13 @@ body runs stay below the mode. CUDA runs the Triton kernel of
 torch body in :mod:`cg_extract.cache_write`, Meta only checks the arguments.
 
 How it is called. :func:`write_hidden_states` goes through the dispatcher
-only where something could intercept the op (a dispatch mode, a tensor
-subclass, a tracing compiler, another device); otherwise it checks the
+only where something could intercept the op (a dispatch mode, such as the
+emulator's, the sweep's op counter or a fake-tensor trace; a tensor
+subclass; a device other than CPU and CUDA); otherwise it checks the
 arguments and runs the CPU body or the Triton launch itself, the same
-functions the dispatcher would call. The dispatcher's trip into a Python
+functions the dispatcher would call. (Dynamo, tracing a caller, would inline
+this function and break its graph at the body's host reads rather than
+record the op; nothing compiles the speculator's step.) The dispatcher's trip into a Python
 kernel is what that saves: ``python perf/write_op_cost.py`` (2-core AMD EPYC
 family 26 model 2, torch 2.13.0+cpu) measured, for a kernel that does
 nothing, 1.78 us through a ``Library.impl`` op against 0.09 us for the check
@@ -99,7 +102,6 @@ def write_hidden_states(
     if (
         torch._C._len_torch_dispatch_stack()
         or type(kv_cache) is not torch.Tensor
-        or torch.compiler.is_compiling()
         or not _plain(aux, slot_mapping)
     ):
         op(aux, kv_cache, slot_mapping)

@@ -4,17 +4,19 @@
 
 Two tables, each case timed in interleaved rounds (``--rounds`` of
 ``--number`` calls each, one torch thread); a figure is the median of the
-rounds' means, ``spread`` the lowest and highest round:
+rounds' means, ``[min, max]`` the lowest and highest round's:
 
 * ``dispatch``: a kernel that does nothing, called through a
   ``torch.library.Library`` op, through ``torch.library.custom_op``, and as
   :func:`cg_extract.write_op.write_hidden_states` calls it when nothing could
   intercept the op (a check of the dispatch-mode stack, then a Python call);
-* ``write``: the whole write per token count: ``op`` through the dispatcher,
+* ``write`` (``--cold``: a 64 MiB write before every call, untimed, so that
+  the op's code and data come from memory as after a model's forward): the
+  whole write per token count: ``op`` through the dispatcher,
   ``direct`` as the speculator calls it, ``per_layer`` the write before the
-  op; then the CPU body's three ways alone (``copy_rows``,
-  ``scatter_stacked``, ``scatter_layers``), whose crossovers set
-  ``cache_write.ROWS_UP_TO`` and ``STACK_UP_TO``.
+  op; then the CPU body's two ways alone (``copy_rows``, with the
+  ``tolist`` of the slots it needs, and ``scatter_layers``), whose crossover
+  sets ``cache_write.COPY_UP_TO``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import statistics  # noqa: E402
+import time  # noqa: E402
 import timeit  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
 from torch.library import Library  # noqa: E402
@@ -38,13 +42,24 @@ from tests.harness import DTYPES  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def timed(cases: dict, rounds: int, number: int) -> dict[str, list[float]]:
+def timed(
+    cases: dict, rounds: int, number: int, evict: Callable[[], None] | None = None
+) -> dict[str, list[float]]:
     """Microseconds per call of each case, one figure per round; the cases
-    take turns within each round."""
+    take turns within each round. ``evict`` runs before every call, untimed."""
     per_round = {name: [] for name in cases}
     for _ in range(rounds):
         for name, call in cases.items():
-            per_round[name].append(timeit.timeit(call, number=number) / number * 1e6)
+            if evict is None:
+                seconds = timeit.timeit(call, number=number)
+            else:
+                seconds = 0.0
+                for _ in range(number):
+                    evict()
+                    start = time.perf_counter()
+                    call()
+                    seconds += time.perf_counter() - start
+            per_round[name].append(seconds / number * 1e6)
     return per_round
 
 
@@ -97,6 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--number", type=int, default=400)
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="write 64 MiB before every call of the write table (untimed), as "
+        "a model's forward between two speculator steps would",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dtype, layers, hidden = DTYPES[args.dtype], args.layers, args.hidden_size
@@ -116,8 +137,15 @@ def main(argv: list[str] | None = None) -> None:
     for name, samples in timed(cases, args.rounds, args.number * 10).items():
         print(f"  {name:18s} {shown(samples)}")
 
-    print(f"\nwrite, {args.dtype}, hidden {hidden}, {layers} aux layers (us per call)")
-    bodies = ("copy_rows", "scatter_stacked", "scatter_layers")
+    evict = None
+    if args.cold:
+        scratch = torch.zeros(16 * 2**20)
+        evict = functools.partial(scratch.add_, 1)
+    print(
+        f"\nwrite, {args.dtype}, hidden {hidden}, {layers} aux layers "
+        f"(us per call{', caches evicted before each' if args.cold else ''})"
+    )
+    bodies = ("copy_rows", "scatter_layers")
     names = ("op", "direct", "per_layer", *bodies)
     print(
         f"{'tokens':>6} " + " ".join(f"{n:>22s}" for n in names) + "  per_layer/direct"
@@ -128,13 +156,19 @@ def main(argv: list[str] | None = None) -> None:
             "op": write_op.op,
             "direct": write_op.write_hidden_states,
             "per_layer": cache_write.write_per_layer,
-            **{body: getattr(cache_write, body) for body in bodies},
+            "scatter_layers": cache_write.scatter_layers,
         }
         cases = {name: functools.partial(f, *args_n) for name, f in calls.items()}
-        got = timed(cases, args.rounds, max(args.number // n, 5))
+        cases["copy_rows"] = functools.partial(_copy_rows, *args_n)
+        number = max(args.number // n // (10 if args.cold else 1), 5)
+        got = timed(cases, args.rounds, number, evict)
         ratio = statistics.median(got["per_layer"]) / statistics.median(got["direct"])
         print(f"{n:6d} " + " ".join(f"{shown(got[k]):>22s}" for k in names)
               + f"  {ratio:.2f}")  # fmt: skip
+
+
+def _copy_rows(aux, cache, slots) -> None:
+    cache_write.copy_rows(aux, cache, slots.tolist())
 
 
 if __name__ == "__main__":
