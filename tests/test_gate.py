@@ -19,6 +19,9 @@ from perf.machine import machine_key
 REPO = Path(__file__).resolve().parent.parent
 BASELINES = REPO / "perf" / "baselines"
 REFERENCE = BASELINES / "cpu.csv"  # from a CPU whose identity was not recorded
+OWN = (
+    BASELINES / "cpu" / "AuthenticAMD-f26-m2-s1.csv"
+)  # this CPU model's, per_layer too
 HERE = "AMD EPYC [AuthenticAMD family 26 model 2 stepping 1] (2 cores)"
 OTHER_CPU = "Intel(R) Xeon(R) Processor [GenuineIntel family 6 model 143 stepping 8] (2 cores)"  # fmt: skip
 TIMES = ["p50_us", "p90_us", "p99_us", "host_us"]
@@ -153,6 +156,37 @@ def test_cpu_absolute_timings_are_not_gated(tmp_path, capsys):
     cur = scale_mode(scale_mode(base, "eager", 10), "upstream", 10)  # a busy neighbour
     assert run_gate(tmp_path, base, cur) == gate.PASS
     assert "same_gpu rules not applied: not a GPU run" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------
+# The floors: on the run alone, so on any CPU
+
+
+@pytest.mark.parametrize("source", [REFERENCE, OWN], ids=["reference", "this-cpu"])
+def test_both_committed_runs_hold_the_floors_and_a_2x_slower_eager_fails(
+    tmp_path, capsys, source
+):
+    """The reference (another AMD EPYC, before the write op) and this CPU
+    model's baseline: every floor holds as a current run, and an eager step 2x
+    slower fails them, whatever the machine: at every size up to 8 tokens,
+    where our step is within 2x of the others (above, where it is 3x to 6x
+    faster, the same-machine ratios catch it)."""
+    run = pd.read_csv(source).assign(device_name="AMD EPYC (2 cores)")
+    assert run_gate(tmp_path, run, run) == gate.PASS
+    out = capsys.readouterr().out
+    floors = [
+        line for line in out.splitlines() if " run " in line and "speedup" in line
+    ]
+    assert len(floors) == len(run[run["mode"].isin(["eager", "per_layer"])])
+    assert run_gate(tmp_path, run, scale_mode(run, "eager", 2.0)) == gate.FAIL
+    out = capsys.readouterr().out
+    failed_sizes = {
+        (line.split()[0], int(line.split()[2]))
+        for line in out.splitlines()
+        if line.endswith(" FAIL") and " run " in line
+    }
+    small = run[run["num_tokens"] <= 8]
+    assert failed_sizes >= set(zip(small["engine"], small["num_tokens"], strict=True))
 
 
 # --------------------------------------------------------------------------
