@@ -22,16 +22,17 @@ only where something could intercept the op (a dispatch mode, such as the
 emulator's, the sweep's op counter or a fake-tensor trace; a tensor
 subclass; a device other than CPU and CUDA); otherwise it checks the
 arguments and runs the CPU body or the Triton launch itself, the same
-functions the dispatcher would call. (Dynamo, tracing a caller, would inline
-this function and break its graph at the body's host reads rather than
-record the op; nothing compiles the speculator's step.) The dispatcher's trip into a Python
-kernel is what that saves: ``python perf/write_op_cost.py`` (2-core AMD EPYC
-family 26 model 2, torch 2.13.0+cpu) measured, for a kernel that does
-nothing, 1.78 us through a ``Library.impl`` op against 0.09 us for the check
-of the dispatch-mode stack plus a Python call; ``torch.library.custom_op``
-costs 11.6 us there, so the op stays a ``Library`` registration (``define``
-plus one ``impl`` per dispatch key). perf/README.md ("The write op's fixed
-cost") has the figures for the whole write.
+functions the dispatcher would call. (Dynamo, tracing a caller, would break its
+graph here rather than record the op; nothing compiles the speculator's
+step.) What decided it:
+``python perf/write_op_cost.py`` on a 2-core AMD EPYC (family 26 model 2,
+torch 2.13.0+cpu, commit 9863434) measured, for a kernel that does nothing,
+1.8 us through a ``Library.impl`` op, 11.4 us through
+``torch.library.custom_op`` and 0.1 us for the check of the dispatch-mode
+stack plus a Python call; so the op stays a ``Library`` registration
+(``define`` plus one ``impl`` per dispatch key) and the eager path calls
+around the dispatcher. perf/README.md ("The write op's fixed cost") has the
+figures for the whole write.
 """
 
 from __future__ import annotations
