@@ -67,39 +67,36 @@ def shown(samples: list[float]) -> str:
     return f"{statistics.median(samples):.1f} [{min(samples):.1f}, {max(samples):.1f}]"
 
 
-def dispatch_cases(aux, kv_cache, slots) -> dict:
-    def nothing(aux, kv_cache, slot_mapping) -> None:
-        return None
+def _nothing(
+    aux: list[torch.Tensor], kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """A kernel with the write op's schema that does nothing."""
 
+
+def dispatch_cases(*args) -> tuple[dict, Library]:
+    """``_nothing`` as a ``Library`` op, as a ``custom_op``, and called as
+    ``write_op.write_hidden_states`` calls its body; and the library, which
+    must outlive the calls."""
     library = Library("cg_extract_cost", "FRAGMENT")
-    library.define(
-        "nothing(Tensor[] aux, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()"
-    )
-    library.impl("nothing", nothing, "CPU")
+    library.define(f"nothing{write_op.SCHEMA.removeprefix(write_op.NAME)}")
+    library.impl("nothing", _nothing, "CPU")
     torch.library.custom_op(
         "cg_extract_cost::nothing_custom",
         mutates_args=("kv_cache",),
         device_types="cpu",
-    )(_nothing_typed)
+    )(_nothing)
     ops = torch.ops.cg_extract_cost
-    args = (aux, kv_cache, slots)
 
     def direct():
         if torch._C._len_torch_dispatch_stack():
             return ops.nothing.default(*args)
-        return nothing(*args)
+        return _nothing(*args)
 
     return {
         "Library op": lambda: ops.nothing.default(*args),
         "custom_op": lambda: ops.nothing_custom.default(*args),
         "mode check + call": direct,
     }, library
-
-
-def _nothing_typed(
-    aux: list[torch.Tensor], kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    return None
 
 
 def main(argv: list[str] | None = None) -> None:
