@@ -57,32 +57,89 @@ def write_owned_slots(
     """Row ``t`` of aux layer ``l`` to ``kv_cache[slot // bs, l, slot % bs]``
     for every ``slot = slot_mapping[t] >= 0``; a negative slot writes nothing.
 
-    On a CPU reading the slots is free (no device to wait for), so padding
-    is dropped before the scatter; the Triton kernel masks it instead.
+    On a CPU reading the slots is free (no device to wait for), so padding is
+    dropped on the host; the Triton kernel masks it instead. Up to
+    :data:`COPY_UP_TO` tokens each owned token's rows take one copy
+    (:func:`copy_rows`), above that each layer one scatter
+    (:func:`scatter_layers`).
     """
-    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+    if slot_mapping.shape[0] <= COPY_UP_TO:
+        copy_rows(aux_hidden_states, kv_cache, slot_mapping.tolist())
+        return
+    if int(slot_mapping.min()) < 0:
         owned = (slot_mapping >= 0).nonzero().squeeze(1)
         slot_mapping = slot_mapping[owned]
         aux_hidden_states = [hidden[owned] for hidden in aux_hidden_states]
+    scatter_layers(aux_hidden_states, kv_cache, slot_mapping)
+
+
+# The crossover perf/write_op_cost.py measured on a 2-core AMD EPYC (family 26
+# model 2), bf16, hidden 1024 x 3 layers and 4096 x 4, with warm caches and
+# with every cache evicted before each call (perf/README.md, "The write op's
+# fixed cost"): the copies cost least up to 4 tokens in all four.
+COPY_UP_TO = 4
+
+
+def copy_rows(
+    aux_hidden_states: Sequence[torch.Tensor],
+    kv_cache: torch.Tensor,
+    slots: list[int],
+) -> None:
+    """One copy per owned slot (``slots``: the slot mapping as a list) of its
+    ``[L, H]`` cache rows: no index tensors, the least fixed cost; any cache
+    strides."""
+    block_size = kv_cache.shape[2]
+    rows = None
+    for token, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        if rows is None:  # [n, L, H], each token's layers side by side
+            _, num_layers, _, hidden_size = kv_cache.shape
+            rows = torch.cat(list(aux_hidden_states), 1)
+            rows = rows.view(len(slots), num_layers, hidden_size)
+        kv_cache[slot // block_size, :, slot % block_size] = rows[token]
+
+
+def scatter_layers(
+    aux_hidden_states: Sequence[torch.Tensor],
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Every slot >= 0: one scatter per layer, straight from its aux hidden
+    state (no stacked copy of the payload); any cache strides."""
     block_size = kv_cache.shape[2]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping.remainder(block_size)
-    if len(slot_mapping) <= STACK_UP_TO:
-        # One scatter of all layers: the stack costs less than L - 1 more
-        # scatters at this size.
-        stacked = torch.stack(list(aux_hidden_states), dim=1)
-        # aten's overload, unlike Tensor.index_put_, takes None for a whole dim
-        torch.ops.aten.index_put_.default(kv_cache, [blocks, None, offsets], stacked)
-        return
+    kv_cache, aux_hidden_states = _as_words(kv_cache, aux_hidden_states)
     for layer_cache, hidden in zip(kv_cache.unbind(1), aux_hidden_states, strict=True):
         layer_cache.index_put_((blocks, offsets), hidden)
 
 
-# Tokens up to which the CPU body stacks the layers and scatters once. Measured
-# on a 2-core EPYC (bf16, H 1024, L 3): 9.5 us against 13.5 us per layer at 1
-# token, 23.5 against 26.4 at 16, even at 32, worse above (the stack copies
-# the payload once more).
-STACK_UP_TO = 16
+# Wider element types a row of hidden values can be viewed as, widest first.
+# CPU scatters copy element by element, so moving a 2 KiB bf16 row as 128
+# complex128 words instead of 1024 bf16 values is what makes the write fast;
+# a copy never looks at the bits, so any bit pattern (NaNs included) survives.
+_WORDS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32))
+
+
+def _as_words(
+    kv_cache: torch.Tensor, aux_hidden_states: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, Sequence[torch.Tensor]]:
+    """The cache and the aux hidden states viewed as the widest words that
+    tile every row of all of them (same bytes, fewer elements); as they are
+    when none does (e.g. an odd row stride or width)."""
+    tensors = [kv_cache, *aux_hidden_states]
+    itemsize = kv_cache.element_size()
+    for size, word in _WORDS:
+        if size <= itemsize:
+            break
+        if any(t.data_ptr() % size for t in tensors):
+            continue
+        try:
+            return kv_cache.view(word), [h.view(word) for h in aux_hidden_states]
+        except RuntimeError:  # a stride, width or offset the word does not tile
+            continue
+    return kv_cache, aux_hidden_states
 
 
 def check_write_args(
@@ -98,20 +155,26 @@ def check_write_args(
     messages are built only on failure.
     """
     shape = kv_cache.shape
-    dtype, device = kv_cache.dtype, kv_cache.device
-    want = (slot_mapping.shape[0], shape[-1]) if slot_mapping.dim() == 1 else None
     if (
         len(shape) == 4
-        and want is not None
+        and slot_mapping.dim() == 1
         and len(aux_hidden_states) == shape[1]
         and slot_mapping.dtype in _SLOT_DTYPES
-        and slot_mapping.device == device
-        and all(
-            h.shape == want and h.dtype == dtype and h.device == device
-            for h in aux_hidden_states
-        )
     ):
-        return
+        dtype, device = kv_cache.dtype, kv_cache.device
+        want = (slot_mapping.shape[0], shape[3])
+        if slot_mapping.device == device:
+            for hidden in aux_hidden_states:
+                if (
+                    hidden.shape != want
+                    or hidden.dtype is not dtype
+                    or hidden.device != device
+                ):
+                    break
+            else:
+                return
+    dtype, device = kv_cache.dtype, kv_cache.device
+    want = (slot_mapping.shape[0], shape[-1]) if slot_mapping.dim() == 1 else None
     if len(shape) != 4:
         raise ValueError(
             f"kv_cache has shape {list(shape)}; expected "

@@ -89,10 +89,12 @@ class ExtractGraphConfig:
         method = spec.method if spec is not None else None
         given = _given(vllm_config) is not None
         if given and method != METHOD:
-            keys = ", ".join(key(k) for k in sorted(sources or self.to_dict()))
+            # Name what was given: the keys and where, or the (empty) dict
+            # under additional_config when that is all there was.
+            keys = ", ".join(key(k) for k in sorted(sources)) or ADDITIONAL_CONFIG
             raise ValueError(
                 f"{keys}: cg_extract keys apply only to method '{METHOD}', got "
-                f"method {method!r}"
+                + (f"method {method!r}" if spec else "no speculative config")
             )
         if given and spec.num_speculative_tokens != 1:
             raise ValueError(

@@ -29,12 +29,20 @@ from typing import Any
 import pandas as pd
 
 from perf.machine import machine_key
-from perf.report import COLUMNS, KEY, PARAMETERS
+from perf.report import COLUMNS, KEY, MEASURED, PARAMETERS
 
 PASS, FAIL, REFUSED = 0, 1, 2
-RULE_COLUMNS = ["metric", "modes", "tokens", "where", "direction", "limit", "why"]
+RULE_COLUMNS = [
+    *("metric", "engines", "modes", "tokens", "where", "direction", "limit", "why")
+]
 WHERE = ("run", "baseline", "same_machine", "same_gpu")
 DIRECTIONS = ("true", "higher", "lower")
+# Measured figures a sweep writes as a number >= 0, or leaves empty (NaN) where
+# it has none (NVML on a CPU, a speedup without its reference row); anything
+# else in a CSV is refused before a rule sees it.
+FIGURES = [c for c in MEASURED if c not in (*KEY, "device", "bit_exact")]
+# ... and these every row has: a timed step takes some time.
+TIMED = ["p50_us"]
 
 
 class Refused(Exception):
@@ -43,8 +51,10 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class Rule:
+    line: int  # its number among the rules file's rules, from 1
     metric: str
-    modes: str  # names; "*" every mode; "!name" every mode but that one
+    engines: str  # names; "*" every one; "!name" every one but that one
+    modes: str  # the same, for modes
     min_tokens: int
     max_tokens: float
     where: str
@@ -52,12 +62,26 @@ class Rule:
     limit: float  # run: the bound itself; otherwise the relative tolerance
     why: str
 
-    def applies(self, mode: str, num_tokens: int) -> bool:
-        names = self.modes.split()
-        wanted = [n for n in names if not n.startswith("!")]
-        if f"!{mode}" in names or (wanted and "*" not in wanted and mode not in wanted):
-            return False
-        return self.min_tokens <= num_tokens <= self.max_tokens
+    def applies(self, engine: str, mode: str, num_tokens: int) -> bool:
+        return (
+            _selects(self.engines, engine)
+            and _selects(self.modes, mode)
+            and self.min_tokens <= num_tokens <= self.max_tokens
+        )
+
+    def describe(self) -> str:
+        return (
+            f"rule {self.line} ({self.metric}, engines {self.engines}, "
+            f"modes {self.modes})"
+        )
+
+
+def _selects(spec: str, name: str) -> bool:
+    names = spec.split()
+    wanted = [n for n in names if not n.startswith("!")]
+    if f"!{name}" in names:
+        return False
+    return not wanted or "*" in wanted or name in wanted
 
 
 # --------------------------------------------------------------------------
@@ -71,6 +95,7 @@ def load_rules(path: Path) -> list[Rule]:
         raise Refused(
             f"rules {path}: columns must be {RULE_COLUMNS}, got {list(frame.columns)}"
         )
+    known = known_modes()
     rules = []
     for line, r in enumerate(frame.to_dict("records"), start=1):
         r = {k: v.strip() for k, v in r.items()}
@@ -86,10 +111,32 @@ def load_rules(path: Path) -> list[Rule]:
         if not limit >= 0 or math.isinf(limit):
             raise Refused(f"{at}: limit {r['limit']!r} is not a number >= 0")
         low, high = _token_range(r["tokens"], at)
-        rule = Rule(r["metric"], r["modes"] or "*", low, high, r["where"],
+        engines, modes = r["engines"] or "*", r["modes"] or "*"
+        _check_names(at, "engine", engines, list(known))
+        selected = [e for e in known if _selects(engines, e)]
+        _check_names(at, "mode", modes, sorted({m for e in selected for m in known[e]}))
+        rule = Rule(line, r["metric"], engines, modes, low, high, r["where"],
                     r["direction"], limit, r["why"])  # fmt: skip
         rules.append(rule)
     return rules
+
+
+def known_modes() -> dict[str, list[str]]:
+    """Every engine the sweep has, and its modes: what a rule may name."""
+    from perf.engines import ENGINE_MODULES, engine_module
+
+    return {engine: list(engine_module(engine).MODES) for engine in ENGINE_MODULES}
+
+
+def _check_names(at: str, kind: str, spec: str, known: list[str]) -> None:
+    """A name no sweep can produce is a typo that would switch the rule off."""
+    for name in spec.split():
+        bare = name.removeprefix("!")
+        if bare != "*" and bare not in known:
+            raise Refused(
+                f"{at}: {kind} {name!r} is not one the sweep has "
+                f"(its {kind}s here: {', '.join(known)})"
+            )
 
 
 def _token_range(text: str, at: str) -> tuple[int, float]:
@@ -122,12 +169,37 @@ def load_sweep(path: Path, role: str) -> pd.DataFrame:
             "whole number >= 1"
         )
     frame["num_tokens"] = tokens.astype(int)
+    _check_figures(frame, at)
     twice = frame.duplicated(KEY)
     if twice.any():
         raise Refused(f"{at}: {_fmt_key(_key(frame[twice].iloc[0]))} appears twice")
     if frame["device_name"].nunique() != 1:
         raise Refused(f"{at}: rows from several machines {_names(frame)}")
     return frame
+
+
+def _check_figures(frame: pd.DataFrame, at: str) -> None:
+    """Refuse a figure no measurement gives: negative, infinite or not a
+    number at all, or a row without a p50 (a rule would count such a value
+    as better, or skip it)."""
+    for column in [c for c in FIGURES if c in frame.columns]:
+        values = pd.to_numeric(frame[column], errors="coerce")
+        bad = (
+            (values < 0)
+            | values.abs().eq(math.inf)
+            | (values.isna() & frame[column].notna())
+        )
+        if column in TIMED:
+            bad |= ~(values > 0)
+        if bad.any():
+            i = bad.idxmax()
+            value = frame[column][i]
+            shown = repr(value) if isinstance(value, str) else str(float(value))
+            raise Refused(
+                f"{at}: line {i + 2} ({_fmt_key(_key(frame.loc[i]))}): {column} "
+                f"{shown} is not "
+                + ("a time > 0" if column in TIMED else "a number >= 0")
+            )
 
 
 def _read_csv(path: Path, role: str, **kwargs) -> pd.DataFrame:
@@ -252,6 +324,7 @@ class Comparison:
     missing: list[tuple]  # baseline rows absent from the current run
     new: list[tuple]  # current rows absent from the baseline
     skipped: dict[str, str]  # where -> why its rules were not applied
+    unmatched: list[str]  # rules that select no row of the current run
 
     def count(self, verdict: str) -> int:
         return int((self.table["verdict"] == verdict).sum())
@@ -266,11 +339,15 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[Rule]) -> Compari
     skipped = {w: why for w, why in why_not_comparable(base, cur).items() if why}
     base_rows = {_key(r): r for _, r in base.iterrows()}
     lines = []
+    matched: set[int] = set()
     for _, c in cur.iterrows():
         key = _key(c)
         b = base_rows.get(key)
         for rule in rules:
-            if not rule.applies(key[1], key[2]) or rule.where in skipped:
+            if not rule.applies(*key):
+                continue
+            matched.add(rule.line)
+            if rule.where in skipped:
                 continue
             m = rule.metric
             if rule.where == "run":
@@ -291,6 +368,7 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[Rule]) -> Compari
         missing=[k for k in base_rows if k not in cur_keys],
         new=[k for k in cur_keys if k not in base_rows],
         skipped=skipped,
+        unmatched=[r.describe() for r in rules if r.line not in matched],
     )
 
 
@@ -307,6 +385,7 @@ def render(comparison: Comparison, against: str = "") -> str:
     out += [f"MISSING from current run: {_fmt_key(k)}" for k in comparison.missing]
     out += [f"new in current run: {_fmt_key(k)}" for k in sorted(comparison.new)]
     out += [f"{w} rules not applied: {why}" for w, why in comparison.skipped.items()]
+    out += [f"{r}: no row of the current run" for r in comparison.unmatched]
     out.append(
         f"gate: {'PASS' if comparison.passed else 'FAIL'}: {len(shown)} checks, "
         f"{comparison.count('FAIL')} failed, {comparison.count('better')} better, "

@@ -113,7 +113,7 @@ def write(frame: pd.DataFrame, csv_path: Path, notes: Mapping[str, Any]) -> None
     while the others were written."""
     png, meta = sidecar_paths(csv_path)
     frame.to_csv(csv_path, index=False)
-    plot(frame, png)
+    plot(frame, png, notes.get("skipped_modes", {}))
     meta.write_text(json.dumps(notes, indent=2, default=str) + "\n")
 
 
@@ -124,7 +124,14 @@ UPSTREAM = {
 }
 
 
-def plot(frame: pd.DataFrame, png: Path) -> None:
+def plot(
+    frame: pd.DataFrame,
+    png: Path,
+    left_out: Mapping[str, Mapping[str, str]] | None = None,
+) -> None:
+    """Latency and speedup against token count; ``left_out`` (engine -> mode
+    -> why, the sweep's ``skipped_modes``) is written under the panels, so
+    that a figure without the graph modes says so and why."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,9 +175,23 @@ def plot(frame: pd.DataFrame, png: Path) -> None:
             f"aux layers {first['aux_layers']} | {first['git_commit']}",
             fontsize="small",
         )
-    fig.tight_layout()
+    note = left_out_note(left_out or {})
+    fig.tight_layout(rect=(0, 0.06 * bool(note), 1, 1))
+    if note:
+        fig.text(0.01, 0.01, note, fontsize="small", wrap=True)
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def left_out_note(left_out: Mapping[str, Mapping[str, str]]) -> str:
+    """One line per reason: "Left out: kernel/graph, ...: why"."""
+    by_reason: dict[str, list[str]] = {}
+    for engine, modes in left_out.items():
+        for mode, why in modes.items():
+            by_reason.setdefault(why, []).append(f"{engine}/{mode}")
+    return "\n".join(
+        f"Left out: {', '.join(series)}: {why}" for why, series in by_reason.items()
+    )
 
 
 def table(frame: pd.DataFrame) -> str:

@@ -87,6 +87,7 @@ DEFAULTS = {
         sizes=(1, 8, 32, 128), iters=10, warmup=1, hidden_size=0, layers=(1, 2, 3, 4)
     ),
 }
+KERNEL_BLOCK_SIZE = 16
 # The copy that measures the bandwidth floor: large enough to leave every cache.
 COPY_BYTES = {"cuda": 2**30, "cpu": 2**28}
 # Fraction of available memory the sweep may plan to use.
@@ -103,6 +104,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer (>= 1)")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     return value
 
 
@@ -200,9 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--block-size",
         type=positive_int,
-        default=16,
-        help="the kernel engine's KV cache block (default: 16; the speculator "
-        "engine uses vLLM's)",
+        help=f"the kernel engine's KV cache block (default: {KERNEL_BLOCK_SIZE}); "
+        "refused with the other engines, which use vLLM's",
     )
     p.add_argument(
         "--capture-sizes",
@@ -227,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--nvml-interval",
-        type=float,
+        type=positive_float,
         default=0.02,
         help="seconds between NVML samples (default: 0.02)",
     )
@@ -316,9 +323,17 @@ def _check_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.capture_sizes is None:
         args.capture_sizes = default_capture_sizes(max(args.sizes), 256, 2)
     try:
-        CaptureSizes(args.capture_sizes)
+        args.capture_sizes = list(CaptureSizes(args.capture_sizes).sizes)  # sorted
     except ValueError as why:
         parser.error(f"--capture-sizes: {why}")
+    if args.block_size is None:
+        args.block_size = KERNEL_BLOCK_SIZE
+    elif args.engines != ["kernel"]:
+        parser.error(
+            f"--block-size {args.block_size}: only the kernel engine takes a block "
+            f"size; {', '.join(e for e in args.engines if e != 'kernel')} uses the "
+            "one vLLM picks for its config (the CSV's block_size column)"
+        )
 
 
 def _check_memory(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -9,6 +9,7 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -326,6 +327,28 @@ def test_bad_additional_config_keys(model_dir, direct, spec_keys, message):
         build_vllm_config(
             model_dir, engine_args={ADDITIONAL: {"cg_extract": direct}}, **spec_keys
         )
+
+
+@pytest.mark.parametrize(
+    ("direct", "named"),
+    [
+        ({}, r"additional_config\['cg_extract'\]: "),
+        ({"cudagraph": True}, r"additional_config\['cg_extract'\] key 'cudagraph': "),
+    ],
+)
+def test_additional_config_without_a_speculative_config(model_dir, direct, named):
+    """The message names what was given, where: never keys that were not."""
+    with pytest.raises(ValueError) as raised:
+        EngineArgs(
+            **common_args(model_dir), additional_config={"cg_extract": direct}
+        ).create_engine_config()
+    message = str(raised.value)
+    assert re.match(
+        named + r"cg_extract keys apply only to method 'extract_hidden_states', "
+        r"got no speculative config$",
+        message,
+    ), message
+    assert "speculative config key" not in message
 
 
 def test_additional_config_keys_with_another_method(model_dir):

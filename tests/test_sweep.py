@@ -271,6 +271,18 @@ def test_graph_mode_needs_cuda_and_says_so():
         ),
         (["--engine", "kernel", "--out", "x.txt"], "must end in .csv"),
         (["--engine", "kernel", "--capture-sizes", "4", "4"], "duplicates"),
+        (["--nvml-interval", "0"], "0 is not a positive number of seconds"),
+        (["--nvml-interval", "-0.5"], "-0.5 is not a positive number of seconds"),
+        (["--nvml-interval", "nan"], "nan is not a positive number of seconds"),
+        (["--nvml-interval", "inf"], "inf is not a positive number of seconds"),
+        (
+            ["--engine", "speculator", "--block-size", "32"],
+            "--block-size 32: only the kernel engine takes a block size; speculator",
+        ),
+        (
+            ["--engine", "speculator", "kernel", "--block-size", "16"],
+            "--block-size 16: only the kernel engine",
+        ),
     ],
 )
 def test_bad_input_is_refused_with_a_message(argv, message, capsys, tmp_path):
@@ -280,6 +292,18 @@ def test_bad_input_is_refused_with_a_message(argv, message, capsys, tmp_path):
         sweep.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_capture_sizes_are_stored_sorted_and_the_kernel_block_size_honoured(
+    tmp_path,
+):
+    out = tmp_path / "k.csv"
+    argv = ["--engine", "kernel", "--sizes", "3", "--capture-sizes", "8", "4", "1"]
+    args = sweep.parse_args([*argv, "--out", str(out)])
+    assert args.capture_sizes == [1, 4, 8] and args.block_size == 16
+    assert sweep.main([*argv, "--block-size", "8", "--out", str(out), *TINY]) == 0
+    frame = read_csv(out)
+    assert set(frame["capture_sizes"]) == {"1 4 8"} and set(frame["block_size"]) == {8}
 
 
 def test_unwritable_output_is_refused(tmp_path, capsys):
@@ -402,9 +426,9 @@ def test_ctrl_c_keeps_the_finished_sizes(tmp_path, monkeypatch):
 def test_ctrl_c_while_the_report_is_written_keeps_the_rows(tmp_path, monkeypatch):
     plot = report.plot
 
-    def interrupted_plot(frame, png):
+    def interrupted_plot(*args):
         os.kill(os.getpid(), signal.SIGINT)  # the real signal, as a user sends it
-        plot(frame, png)
+        plot(*args)
 
     monkeypatch.setattr(report, "plot", interrupted_plot)
     out = tmp_path / "k.csv"
@@ -457,6 +481,26 @@ def test_plot_titles_the_engines_reference_and_keeps_each_series_colour(
             f"{engine}/eager" for engine in engines
         }
         assert all(colours[line.get_label()] == line.get_color() for line in plotted)
+
+
+def test_plot_says_which_modes_were_left_out_and_why(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    frame = pd.read_csv(REPO / "perf" / "baselines" / "cpu.csv")
+    why = "real CUDA graphs need a CUDA device; this run is on cpu"
+    left_out = {
+        e: {"graph": why, "graph_copy_in": why} for e in ("speculator", "kernel")
+    }
+    report.plot(frame, tmp_path / "p.png", left_out)
+    (note,) = [t.get_text() for t in figures.pop().texts if "Left out" in t.get_text()]
+    assert note == (
+        "Left out: speculator/graph, speculator/graph_copy_in, kernel/graph, "
+        f"kernel/graph_copy_in: {why}"
+    )
+    report.plot(frame, tmp_path / "p.png")
+    assert not [t for t in figures.pop().texts if "Left out" in t.get_text()]
 
 
 def test_kernel_engine_runs_without_vllm(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from cg_extract import cache_write, write_op
 from cg_extract.cache_write import write_per_layer
 from cg_extract.cudagraph_manager import CudaGraphManager
 from cg_extract.emulated_graph import StaticMemoryViolation
@@ -77,6 +78,63 @@ def test_writes_exactly_the_owned_rows(case):
     assert same_bytes(run_op(case), case.expected())
 
 
+@settings(max_examples=60, deadline=None)
+@given(case=any_write_case(max_tokens=40, max_layers=8, max_hidden=80))
+def test_each_cpu_body_writes_exactly_the_owned_rows(case):
+    """The CPU body's two ways, whatever token count picks each: the copy per
+    token takes padding as it comes, the per-layer scatter the owned rows
+    only."""
+    got = run_body(case, cache_write.copy_rows, case.slots.tolist())
+    assert same_bytes(got, case.expected())
+    owned = case.owned_rows()
+    real = WriteCase([a[owned] for a in case.aux], case.slots[owned], case.initial)
+    got = run_body(real, cache_write.scatter_layers, real.slots)
+    assert same_bytes(got, case.expected())
+
+
+def run_body(case: WriteCase, body, slots) -> torch.Tensor:
+    cache = case.fresh_cache()
+    body(case.aux, cache, slots)
+    return cache
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 5, 40])
+def test_a_cache_with_gaps_between_its_blocks(num_tokens):
+    """Both ways write through the cache's strides: blocks of a larger
+    buffer, nothing written between them."""
+    case = write_case(
+        torch.Generator().manual_seed(num_tokens), num_tokens, 3, 32,
+        torch.bfloat16, "separate", [0], null_block=True,
+    )  # fmt: skip
+    wide = torch.zeros(len(case.initial), 3, 2 * 16, 32, dtype=torch.bfloat16)
+    cache = wide[:, :, :16]
+    cache.copy_(case.initial)
+    write_hidden_states(case.aux, cache, case.slots)
+    assert same_bytes(cache, case.expected())
+    assert not wide[:, :, 16:].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden_size", [1, 7, 8, 16, 1024])
+def test_rows_move_as_the_widest_words_that_tile_them(dtype, hidden_size):
+    """Viewed as complex128 where every row is 16-byte aligned and a multiple
+    of 16 bytes, narrower words where only those tile it, as they are else."""
+    cache = torch.zeros(3, 2, 4, hidden_size, dtype=dtype)
+    aux = [torch.zeros(5, hidden_size, dtype=dtype) for _ in range(2)]
+    itemsize = cache.element_size()
+    tiling = [
+        word
+        for size, word in cache_write._WORDS
+        if size > itemsize and hidden_size * itemsize % size == 0
+    ]
+    want = tiling[0] if tiling else dtype
+    words, (hidden, _) = cache_write._as_words(cache, aux)
+    assert words.dtype == hidden.dtype == want
+    assert words.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+    strided = torch.zeros(5, 2 * hidden_size, dtype=dtype)[:, ::2]
+    assert cache_write._as_words(cache, [strided, aux[1]])[0].dtype == dtype
+
+
 def test_same_bytes_as_the_per_layer_write_on_real_slots():
     case = write_case(
         torch.Generator().manual_seed(1), 33, 4, 256, torch.bfloat16, "stacked", []
@@ -86,10 +144,10 @@ def test_same_bytes_as_the_per_layer_write_on_real_slots():
     assert same_bytes(run_op(case), old)
 
 
-def small_case(**overrides):
+def small_case(device="cpu", **overrides):
     case = write_case(
         torch.Generator().manual_seed(0), 4, 3, 8, torch.float32, "separate", [3]
-    )
+    ).to(device)
     args = dict(aux=case.aux, kv_cache=case.fresh_cache(), slot_mapping=case.slots)
     args.update(overrides)
     return args
@@ -160,6 +218,48 @@ def test_a_dispatch_mode_sees_one_op_with_the_owned_bytes():
     row = 3 * 64 * 2
     assert count.bytes == 10 * 8 + 2 * 7 * row  # slots, then 7 owned rows in and out
     assert same_bytes(cache, case.expected())
+
+
+class NoDispatcher:
+    """``write_op.op`` replaced by a call counter."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        self.real = write_op.op
+        monkeypatch.setattr(write_op, "op", self)
+
+    def __call__(self, *args):
+        self.calls += 1
+        self.real(*args)
+
+
+def test_without_a_dispatch_mode_the_op_is_called_directly(monkeypatch):
+    """Same bytes, same checks, no trip through the dispatcher; a dispatch
+    mode (the emulator, the sweep's counter), a tensor subclass or another
+    device gets the op itself."""
+    dispatched = NoDispatcher(monkeypatch)
+    case = write_case(
+        torch.Generator().manual_seed(6), 5, 3, 32, torch.bfloat16, "separate", [4]
+    )
+    assert same_bytes(run_op(case), case.expected())
+    with pytest.raises(ValueError, match="2 aux hidden states for a cache of 3"):
+        write_hidden_states(case.aux[:2], case.fresh_cache(), case.slots)
+    assert dispatched.calls == 0
+    cache = case.fresh_cache()
+    count = count_step(lambda: write_hidden_states(case.aux, cache, case.slots))
+    assert [op.name for op in count.dispatched] == [OP_NAME]
+    assert dispatched.calls == 1 and same_bytes(cache, case.expected())
+
+    class Subclass(torch.Tensor):
+        pass
+
+    for aux, slots in [
+        ([case.aux[0].as_subclass(Subclass), *case.aux[1:]], case.slots),
+        (case.aux, case.slots.as_subclass(Subclass)),
+    ]:
+        write_hidden_states(aux, case.fresh_cache(), slots)
+    write_hidden_states(*small_case(device="meta").values())
+    assert dispatched.calls == 4
 
 
 class StaticWrite:
@@ -238,3 +338,14 @@ def test_triton_kernel_under_the_interpreter():
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+def test_the_cost_script_prints_both_tables(capsys):
+    from perf import write_op_cost
+
+    argv = ["--hidden-size", "64", "--layers", "2", "--sizes", "1", "3", "40"]
+    write_op_cost.main([*argv, "--rounds", "1", "--number", "2"])
+    out = capsys.readouterr().out
+    for name in ("Library op", "custom_op", "mode check + call", "scatter_layers"):
+        assert name in out
+    assert len([line for line in out.splitlines() if line.startswith("    40 ")]) == 1

@@ -59,19 +59,22 @@ def write_case(
     block_size: int = 16,
     slot_dtype: torch.dtype = torch.int64,
     null_block: bool = False,
+    any_bits: bool = False,
 ) -> WriteCase:
     """``layout``: ``separate`` contiguous tensors (the target's persistent
     buffers), ``stacked`` views ``buf[:, l]`` of one ``[n, L, H]`` buffer (the
     copy-in static buffer), ``strided`` every other row and column of a
     larger buffer. Real slots are unique and may fall anywhere, block 0
     included unless ``null_block`` keeps it for padding, as vLLM does; the
-    rows in ``padding`` get slot -1."""
+    rows in ``padding`` get slot -1. ``any_bits``: hidden values and cache
+    are random bit patterns (NaNs with any payload, infinities, subnormals),
+    so that only a copy that never looks at the values keeps them."""
     n, L, H = num_tokens, num_layers, hidden_size
     num_blocks = -(-n // block_size) + 2
     first = block_size if null_block else 0
     slots = torch.randperm(num_blocks * block_size - first, generator=gen)[:n] + first
     slots[padding] = -1
-    values = torch.randn(n, L, H, generator=gen).to(dtype)
+    values = _random(gen, (n, L, H), dtype, any_bits)
     if layout == "separate":
         aux = [values[:, layer].clone() for layer in range(L)]
     elif layout == "stacked":
@@ -84,8 +87,16 @@ def write_case(
             aux.append(big[::2, ::2])
     else:
         raise ValueError(f"layout {layout!r}; expected one of {LAYOUTS}")
-    initial = torch.randn(num_blocks, L, block_size, H, generator=gen).to(dtype)
+    initial = _random(gen, (num_blocks, L, block_size, H), dtype, any_bits)
     return WriteCase(aux, slots.to(slot_dtype), initial)
+
+
+def _random(gen: torch.Generator, shape, dtype: torch.dtype, any_bits: bool):
+    if not any_bits:
+        return torch.randn(shape, generator=gen).to(dtype)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * itemsize), generator=gen)
+    return raw.to(torch.uint8).view(dtype)
 
 
 def run_op(case: WriteCase) -> torch.Tensor:
@@ -121,6 +132,7 @@ def any_write_case(max_tokens: int, max_layers: int, max_hidden: int):
             padding=sorted(p for p in padding if p < num_tokens),
             block_size=draw(st.sampled_from([1, 3, 16])),
             slot_dtype=draw(st.sampled_from([torch.int64, torch.int32])),
+            any_bits=draw(st.booleans()),
         )
 
     return cases()
