@@ -88,15 +88,15 @@ def copy_rows(
     """One copy per owned slot (``slots``: the slot mapping as a list) of its
     ``[L, H]`` cache rows: no index tensors, the least fixed cost; any cache
     strides."""
-    block_size = kv_cache.shape[2]
-    rows = None
-    for token, slot in enumerate(slots):
-        if slot < 0:
-            continue
-        if rows is None:  # [n, L, H], each token's layers side by side
-            _, num_layers, _, hidden_size = kv_cache.shape
-            rows = torch.cat(list(aux_hidden_states), 1)
-            rows = rows.view(len(slots), num_layers, hidden_size)
+    owned = [(token, slot) for token, slot in enumerate(slots) if slot >= 0]
+    if not owned:
+        return
+    _, num_layers, block_size, hidden_size = kv_cache.shape
+    # [n, L, H]: each token's layers side by side, as its cache rows lie.
+    rows = torch.cat(list(aux_hidden_states), 1).view(
+        len(slots), num_layers, hidden_size
+    )
+    for token, slot in owned:
         kv_cache[slot // block_size, :, slot % block_size] = rows[token]
 
 
@@ -155,26 +155,25 @@ def check_write_args(
     messages are built only on failure.
     """
     shape = kv_cache.shape
-    if (
-        len(shape) == 4
-        and slot_mapping.dim() == 1
-        and len(aux_hidden_states) == shape[1]
-        and slot_mapping.dtype in _SLOT_DTYPES
-    ):
-        dtype, device = kv_cache.dtype, kv_cache.device
-        want = (slot_mapping.shape[0], shape[3])
-        if slot_mapping.device == device:
-            for hidden in aux_hidden_states:
-                if (
-                    hidden.shape != want
-                    or hidden.dtype is not dtype
-                    or hidden.device != device
-                ):
-                    break
-            else:
-                return
     dtype, device = kv_cache.dtype, kv_cache.device
     want = (slot_mapping.shape[0], shape[-1]) if slot_mapping.dim() == 1 else None
+    if (
+        len(shape) == 4
+        and want is not None
+        and len(aux_hidden_states) == shape[1]
+        and slot_mapping.dtype in _SLOT_DTYPES
+        and slot_mapping.device == device
+    ):
+        # A loop, not all() over a generator: this is the per-step cost.
+        for hidden in aux_hidden_states:
+            if (
+                hidden.shape != want
+                or hidden.dtype is not dtype
+                or hidden.device != device
+            ):
+                break
+        else:
+            return
     if len(shape) != 4:
         raise ValueError(
             f"kv_cache has shape {list(shape)}; expected "
