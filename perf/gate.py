@@ -33,7 +33,14 @@ from perf.report import COLUMNS, KEY, MEASURED, PARAMETERS
 
 PASS, FAIL, REFUSED = 0, 1, 2
 RULE_COLUMNS = [
-    *("metric", "engines", "modes", "tokens", "where", "direction", "limit", "why")
+    "metric",
+    "engines",
+    "modes",
+    "tokens",
+    "where",
+    "direction",
+    "limit",
+    "why",
 ]
 WHERE = ("run", "baseline", "same_machine", "same_gpu")
 DIRECTIONS = ("true", "higher", "lower")
