@@ -40,6 +40,7 @@ import torch
 
 from tests.cpu_hidden_states_connector import kv_transfer_config
 from tests.harness import emulated_graph_keys, speculative_config
+from tests.write_cases import same_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = Path(__file__).resolve().parent / "engine_site"
@@ -225,17 +226,6 @@ def lock_is_free(path: str | os.PathLike) -> bool:
             return False
         fcntl.flock(lock, fcntl.LOCK_UN)
         return True
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bytes (NaNs and -0.0 included)."""
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(
-            a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-        )
-    )
 
 
 def assert_same_saves(

@@ -34,8 +34,8 @@ from tests.real_engine import (
     load_saved,
     require_cpu_engine,
     run_engines,
-    same_bytes,
 )
+from tests.write_cases import same_bytes
 
 pytestmark = pytest.mark.e2e
 

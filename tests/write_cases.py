@@ -109,8 +109,16 @@ def run_op(case: WriteCase) -> torch.Tensor:
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-exact (NaN payloads, signed zeros), on any devices."""
-    return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+    """Same dtype, shape and bytes (NaN payloads, signed zeros), on any
+    devices and with any strides."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.cpu().contiguous().view(torch.uint8),
+            b.cpu().contiguous().view(torch.uint8),
+        )
+    )
 
 
 def any_write_case(max_tokens: int, max_layers: int, max_hidden: int):
