@@ -41,6 +41,7 @@ from perf.engines import (
     engine_module,
     estimate_bytes,
 )
+from perf.harness import DTYPES
 from perf.measure import (
     Timings,
     copy_bandwidth,
@@ -52,7 +53,6 @@ from perf.measure import (
     time_steps,
 )
 from perf.nvml import NvmlSampler, nvml_index
-from tests.harness import DTYPES
 
 
 @dataclass(frozen=True)

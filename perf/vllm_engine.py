@@ -89,7 +89,7 @@ def run(args: Any, sampler: Any, emit: Callable[[list[dict[str, Any]]], None]) -
 def _make_llm(args: Any, our_keys: dict[str, Any] | None):
     from vllm import LLM
 
-    from tests.harness import speculative_config
+    from perf.harness import speculative_config
 
     with _plugins_loaded(our_keys is not None):
         return LLM(

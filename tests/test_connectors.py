@@ -1,7 +1,7 @@
 """KV connectors in graph mode get the eager layer's hooks, exactly.
 
 The connectors are created as a GPU worker creates them
-(``tests.harness.worker_connector``): vLLM's
+(``perf.harness.worker_connector``): vLLM's
 ``ensure_kv_transfer_initialized`` (a one-process gloo group stands in for the
 worker's distributed setup), wrapped in MRv2's ``ActiveKVConnector``, which
 binds each step's metadata (built by the scheduler-side connector) before the
@@ -24,8 +24,7 @@ from cg_extract import target_buffers
 from cg_extract.cudagraph_manager import CudaGraphManager
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from tests import recording_connectors
-from tests.harness import (
+from perf.harness import (
     attach_target_graph_outputs,
     build_vllm_config,
     emulated_graph_keys,
@@ -34,6 +33,7 @@ from tests.harness import (
     single_process_group,
     worker_connector,
 )
+from tests import recording_connectors
 from tests.recording_connectors import CALLS, HookFailed, HookInGraphWork
 
 MODULE = "tests.recording_connectors"

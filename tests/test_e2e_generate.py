@@ -15,8 +15,7 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import torch
 
-from tests.generate_scenarios import GENERATE_SCENARIOS, PREFIX, scenario_run
-from tests.real_engine import (
+from perf.cpu_engine import (
     AUX_LAYER_IDS,
     CAPTURE_SIZES,
     MAX_NUM_BATCHED_TOKENS,
@@ -26,12 +25,13 @@ from tests.real_engine import (
     require_cpu_engine,
     run_engines,
 )
+from tests.generate_scenarios import GENERATE_SCENARIOS, PREFIX, scenario_run
 
 pytestmark = pytest.mark.e2e
 
 UPSTREAM = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
 OURS = "cg_extract.speculator"
-HIDDEN_SIZE = 256  # tests.harness.write_model_dir's
+HIDDEN_SIZE = 256  # perf.harness.write_model_dir's
 
 
 @pytest.fixture(scope="module")

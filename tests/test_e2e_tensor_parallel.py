@@ -27,14 +27,14 @@ import shutil
 
 import torch
 
-from tests.generate_scenarios import scenario_run
-from tests.real_engine import (
+from perf.cpu_engine import (
     AUX_LAYER_IDS,
     assert_same_saves,
     load_saved,
     require_cpu_engine,
     run_engines,
 )
+from tests.generate_scenarios import scenario_run
 from tests.write_cases import same_bytes
 
 pytestmark = pytest.mark.e2e

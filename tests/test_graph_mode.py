@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from cg_extract.cache_backend import ExtractCacheMetadataBuilder
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from tests.harness import (
+from perf.harness import (
     LoadedSpeculator,
     _cpu_safe_model_loading,
     build_vllm_config,

