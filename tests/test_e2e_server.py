@@ -18,15 +18,13 @@ import asyncio
 
 from perf.cpu_engine import (
     CAPTURE_SIZES,
-    assert_same_saves,
     engine_env,
     engine_kwargs,
     load_saved,
-    require_cpu_engine,
-    run_engines,
 )
 from tests.generate_scenarios import scenario_run, server_prompts
 from tests.openai_server import request, serve
+from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
 from tests.users_client import fetch_all
 
 pytestmark = pytest.mark.e2e

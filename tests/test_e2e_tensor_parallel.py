@@ -29,12 +29,10 @@ import torch
 
 from perf.cpu_engine import (
     AUX_LAYER_IDS,
-    assert_same_saves,
     load_saved,
-    require_cpu_engine,
-    run_engines,
 )
 from tests.generate_scenarios import scenario_run
+from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
 from tests.write_cases import same_bytes
 
 pytestmark = pytest.mark.e2e
