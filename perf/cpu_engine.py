@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from perf.cpu_hidden_states_connector import kv_transfer_config
 from perf.harness import emulated_graph_keys, speculative_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,6 +107,10 @@ def engine_kwargs(
     """``LLM(...)`` / ``EngineArgs`` keywords for ``way``: the tiny Llama
     (dummy weights unless ``load_format`` says otherwise), our connector
     saving under ``storage``, the engine worker that captures our graphs."""
+    # Imports vLLM: not at this module's import, which must precede vLLM's
+    # in a process that sets the CPU engine up (enter_cpu_env).
+    from perf.cpu_hidden_states_connector import kv_transfer_config
+
     keys = emulated_graph_keys(CAPTURE_SIZES) if way == "graphs" else {}
     return {
         "model": str(model_dir),

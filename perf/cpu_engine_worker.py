@@ -11,8 +11,9 @@ planning after the KV cache is bound comes to the same), then ``capture()`` in t
 ``capture_model``). It does that for every speculator; vLLM's own class and
 ours with ``cudagraph`` false capture nothing.
 
-Its other methods are for tests to call through ``collective_rpc``
-(``LLM.collective_rpc``, or the server's dev-mode ``/collective_rpc``).
+Its other methods (and :class:`perf.engine_probe.EngineProbe`'s) are for
+tests and the sweep to call through ``collective_rpc`` (``LLM.collective_rpc``,
+``AsyncLLM.collective_rpc`` or the server's dev-mode ``/collective_rpc``).
 """
 
 from __future__ import annotations
@@ -24,43 +25,24 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.workspace import use_workspace_lane
 
+from perf.engine_probe import EngineProbe
+
 # vLLM's default mode, as a GPU runner keeps it when every attention backend
 # supports FULL graphs; ours captures under it.
 GPU_MODE = CUDAGraphMode.FULL_AND_PIECEWISE
 
 
-class SpeculatorGraphsCPUWorker(CPUWorker):
+class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any):
         times = super().compile_or_warm_up_model(*args, **kwargs)
         runner = self.model_runner
         speculator = runner.speculator
+        if speculator is None:  # the target alone (the sweep's baseline)
+            return times
         speculator.init_cudagraph_manager(GPU_MODE)
         with use_workspace_lane(runner._draft_workspace_lane):
             speculator.capture()
         return times
-
-    def speculator_stats(self) -> dict[str, Any] | None:
-        """Our ``cudagraph_stats()`` (None for vLLM's class), the class's name,
-        and the CUDA graph support the draft layer's metadata builder reports
-        in the runner's own attention groups, the value MRv2 resolves its
-        graph mode from."""
-        runner = self.model_runner
-        speculator = runner.speculator
-        stats = getattr(speculator, "cudagraph_stats", None)
-        (draft,) = [
-            group
-            for groups in runner.attn_groups
-            for group in groups
-            if set(group.layer_names) == speculator.draft_attn_layer_names
-        ]
-        support = draft.get_metadata_builder(0).get_cudagraph_support(
-            self.vllm_config, draft.kv_cache_spec
-        )
-        return {
-            "class": f"{type(speculator).__module__}.{type(speculator).__name__}",
-            "stats": stats() if stats is not None else None,
-            "draft_cg_support": support.name,
-        }
 
     def hidden_state_cache(self) -> torch.Tensor:
         """This rank's hidden-state KV cache (a copy)."""

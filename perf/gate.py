@@ -29,7 +29,7 @@ from typing import Any
 import pandas as pd
 
 from perf.machine import machine_key
-from perf.report import COLUMNS, KEY, MEASURED, PARAMETERS
+from perf.report import COLUMNS, KEY, MEASURED, PARAMETERS, TEXT
 
 PASS, FAIL, REFUSED = 0, 1, 2
 RULE_COLUMNS = [
@@ -47,7 +47,7 @@ DIRECTIONS = ("true", "higher", "lower")
 # Measured figures a sweep writes as a number >= 0, or leaves empty (NaN) where
 # it has none (NVML on a CPU, a speedup without its reference row); anything
 # else in a CSV is refused before a rule sees it.
-FIGURES = [c for c in MEASURED if c not in (*KEY, "device", "bit_exact")]
+FIGURES = [c for c in MEASURED if c not in (*KEY, "device", "bit_exact", *TEXT)]
 # ... and these every row has: a timed step takes some time.
 TIMED = ["p50_us"]
 

@@ -28,8 +28,10 @@ MEASURED = [
     "p99_us",
     "host_us",
     "tokens_per_s",
+    "prompts_per_s",
     "speedup_vs_upstream",
     "speedup_vs_eager",
+    "slowdown_vs_baseline",
     "ops_per_step",
     "replayed_ops_per_step",
     "launches_per_step",
@@ -41,11 +43,29 @@ MEASURED = [
     "power_w",
     "sm_clock_mhz",
     "energy_mj_per_step",
+    "cudagraph_mode",
+    "captured_sizes",
+    "copy_in_replays",
+    "zero_copy_replays",
+    "eager_steps",
     "bit_exact",
 ]
+# Measured columns that hold words, not figures.
+TEXT = ["cudagraph_mode", "captured_sizes"]
 
 # What the engines were built for: the gate refuses to compare runs that differ.
-PARAMETERS = ["hidden_size", "aux_layers", "dtype", "block_size", "capture_sizes"]
+PARAMETERS = [
+    "hidden_size",
+    "aux_layers",
+    "dtype",
+    "block_size",
+    "capture_sizes",
+    "model",
+    "workload",
+    "prompt_len",
+    "max_tokens",
+    "clients",
+]
 
 # Where and how the run was made: the same on every row.
 RUN = [
@@ -75,8 +95,10 @@ TABLE = [
     "p50_us",
     "p99_us",
     "tokens_per_s",
+    "prompts_per_s",
     "speedup_vs_upstream",
     "speedup_vs_eager",
+    "slowdown_vs_baseline",
     "ops_per_step",
     "bytes_per_step",
     "bw_floor_frac",

@@ -81,12 +81,20 @@ DEFAULTS = {
         hidden_size=1024,
         layers=(1, 2, 3),
     ),
-    # Whole-engine runs: sizes are prompts per generate call, each call takes
-    # seconds; the hidden size is the model's own.
+    # Whole-engine runs: sizes are prompts per run (vLLM's hidden-state
+    # benchmark: 64 prompts, 8 clients); the hidden size is the model's own.
     "vllm": Defaults(
-        sizes=(1, 8, 32, 128), iters=10, warmup=1, hidden_size=0, layers=(1, 2, 3, 4)
+        sizes=(64,), iters=3, warmup=1, hidden_size=0, layers=(1, 2, 3, 4)
+    ),
+    # The tiny dummy model through the CPU engine: a minute or two.
+    "vllm-cpu": Defaults(
+        sizes=(16,), iters=2, warmup=0, hidden_size=0, layers=(1, 2, 3)
     ),
 }
+# --engine vllm: (prompt length, decode tokens) by device.
+VLLM_LENGTHS = {"cuda": (2048, 128), "cpu": (64, 16)}
+# The model column of a run on the tiny model (its folder is temporary).
+DUMMY_MODEL = "tiny dummy Llama (perf.harness.write_model_dir)"
 KERNEL_BLOCK_SIZE = 16
 # The copy that measures the bandwidth floor: large enough to leave every cache.
 COPY_BYTES = {"cuda": 2**30, "cpu": 2**28}
@@ -203,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="aux hidden-state layer ids (their count is L)",
     )
     p.add_argument(
-        "--dtype", choices=list(DTYPES), default="bf16", help="(default: bf16)"
+        "--dtype",
+        choices=list(DTYPES),
+        help="(default: bf16; fp32 for --engine vllm on a CPU)",
     )
     p.add_argument(
         "--block-size",
@@ -239,18 +249,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between NVML samples (default: 0.02)",
     )
     vllm = p.add_argument_group("--engine vllm")
-    vllm.add_argument("--model", help="model to generate with (required)")
     vllm.add_argument(
-        "--max-tokens", type=positive_int, default=64, help="per prompt (default: 64)"
+        "--model",
+        help="what vLLM's --model takes: a Hugging Face name or a local folder "
+        "(required on a GPU; on a CPU a tiny dummy Llama by default)",
     )
     vllm.add_argument(
-        "--prompt-len", type=positive_int, default=32, help="tokens (default: 32)"
+        "--workload",
+        choices=list(engine_module("vllm").WORKLOADS),
+        default="prefill",
+        help="prefill: max_tokens 1, as data generation and vLLM's hidden-state "
+        "benchmark; decode: --max-tokens per prompt (default: prefill)",
+    )
+    vllm.add_argument(
+        "--prompt-len",
+        type=positive_int,
+        help="tokens per prompt (default: cuda "
+        + " / cpu ".join(str(v[0]) for v in VLLM_LENGTHS.values())
+        + ")",
+    )
+    vllm.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        help="generated per prompt with --workload decode (default: cuda "
+        + " / cpu ".join(str(v[1]) for v in VLLM_LENGTHS.values())
+        + ")",
+    )
+    vllm.add_argument(
+        "--clients",
+        type=positive_int,
+        default=8,
+        help="requests in flight, each reading its file back (default: 8)",
     )
     vllm.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.35,
-        help="per engine; both modes' engines are alive at once (default: 0.35)",
+        help="each mode's engine; they run one at a time (default: vLLM's; "
+        "0.15 of host memory on a CPU)",
     )
     return p
 
@@ -273,10 +308,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "run --engine vllm on its own: its sizes count prompts per "
                 "generate call, not tokens per step"
             )
-        if not args.model:
-            parser.error("--engine vllm needs --model")
-        engine_module("vllm").check_can_run()
-    defaults = DEFAULTS["vllm" if args.engines == ["vllm"] else args.device]
+        _check_vllm(parser, args)
+    elif args.dtype is None:
+        args.dtype = "bf16"
+    defaults = DEFAULTS[
+        ("vllm" if args.device == "cuda" else "vllm-cpu")
+        if args.engines == ["vllm"]
+        else args.device
+    ]
     for name in ("sizes", "iters", "warmup", "hidden_size", "layers"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(defaults, name))
@@ -285,6 +324,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _check_memory(parser, args)
     _check_output(parser, args.out)
     return args
+
+
+def _check_vllm(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The whole engine's own options; then this process is made ready for
+    it (on a CPU that must happen before vLLM is imported)."""
+    args.dummy_model = args.model is None
+    if args.dummy_model and args.device == "cuda":
+        parser.error(
+            "--engine vllm on a GPU needs --model (a name or folder, as vLLM's "
+            "--model takes); the tiny dummy model is for CPUs"
+        )
+    prompt_len, decode_tokens = VLLM_LENGTHS[args.device]
+    args.prompt_len = args.prompt_len or prompt_len
+    if args.workload == "prefill":
+        if args.max_tokens not in (None, 1):
+            parser.error(
+                f"--max-tokens {args.max_tokens}: --workload prefill generates "
+                "one token per prompt; use --workload decode"
+            )
+        args.max_tokens = 1
+    args.max_tokens = args.max_tokens or decode_tokens
+    if args.dtype is None:
+        args.dtype = "fp32" if args.device == "cpu" else "bf16"
+    gmu = args.gpu_memory_utilization
+    if gmu is not None and not 0 < gmu <= 1:
+        parser.error(f"--gpu-memory-utilization {gmu}: must be in (0, 1]")
+    engine_module("vllm").prepare(args.device)
 
 
 def default_engine() -> str:
@@ -306,6 +372,8 @@ def _check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                 f"engine {engine!r} has no mode {', '.join(unknown)} "
                 f"(its modes: {', '.join(known)})"
             )
+        if engine == "vllm":  # the references first: see perf/vllm_engine.py
+            wanted = [m for m in known if m in wanted]
         args.modes_for[engine] = list(dict.fromkeys(wanted))
 
 
@@ -320,10 +388,11 @@ def _check_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             f"--hidden-size {args.hidden_size}: the speculator engine's model has "
             f"{head_dim}-wide heads, so the hidden size must be a multiple of {head_dim}"
         )
-    if args.capture_sizes is None:
+    if args.capture_sizes is None and args.engines != ["vllm"]:
         args.capture_sizes = default_capture_sizes(max(args.sizes), 256, 2)
     try:
-        args.capture_sizes = list(CaptureSizes(args.capture_sizes).sizes)  # sorted
+        if args.capture_sizes is not None:  # None: vLLM's own (--engine vllm)
+            args.capture_sizes = list(CaptureSizes(args.capture_sizes).sizes)
     except ValueError as why:
         parser.error(f"--capture-sizes: {why}")
     if args.block_size is None:
@@ -379,7 +448,7 @@ def make_params(args: argparse.Namespace) -> Params:
         hidden_size=args.hidden_size,
         aux_layers=tuple(args.layers),
         dtype=args.dtype,
-        capture_sizes=tuple(args.capture_sizes),
+        capture_sizes=tuple(args.capture_sizes or ()),
         max_tokens=max(args.sizes),
         block_size=args.block_size,
     )
@@ -509,16 +578,26 @@ def build_engine(name: str, args: argparse.Namespace) -> Engine:
 def parameter_columns(engine: Engine | None, args: argparse.Namespace):
     """The columns every row of one engine shares: what it was built for and
     the run's settings (``engine`` is None for the whole-engine ``vllm``)."""
+    whole = engine is None
     return {
-        "hidden_size": args.hidden_size if engine else math.nan,
+        "hidden_size": math.nan if whole else args.hidden_size,
         "aux_layers": " ".join(map(str, args.layers)),
         "dtype": args.dtype,
-        "block_size": engine.block_size if engine else math.nan,
-        "capture_sizes": " ".join(map(str, args.capture_sizes)) if engine else "",
+        "block_size": math.nan if whole else engine.block_size,
+        "capture_sizes": " ".join(map(str, args.capture_sizes or [])),
+        "model": vllm_model_name(args) if whole else "",
+        "workload": args.workload if whole else "",
+        "prompt_len": args.prompt_len if whole else math.nan,
+        "max_tokens": args.max_tokens if whole else math.nan,
+        "clients": args.clients if whole else math.nan,
         "iters": args.iters,
         "warmup": args.warmup,
         "cpu_threads": torch.get_num_threads(),
     }
+
+
+def vllm_model_name(args: argparse.Namespace) -> str:
+    return DUMMY_MODEL if args.dummy_model else args.model
 
 
 # --------------------------------------------------------------------------
@@ -560,9 +639,9 @@ def _run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     sampler = start_sampler(device, args.nvml_interval)
     notes["nvml"] = "sampled" if sampler.available else sampler.reason
-    progress = tqdm(
-        total=len(args.engines) * len(args.sizes), desc="sweep", unit="size"
-    )
+    # --engine vllm emits once per mode, the others once per size.
+    per_engine = len(args.modes_for.get("vllm", [])) or len(args.sizes)
+    progress = tqdm(total=len(args.engines) * per_engine, desc="sweep")
     interrupted = False
     try:
         for name in args.engines:

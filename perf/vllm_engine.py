@@ -1,116 +1,162 @@
-"""The ``vllm`` engine: a whole ``LLM`` generating, with vLLM's own speculator
-(``upstream``) and with ours, ``cudagraph`` false (``eager``) and true
-(``graph``): the end-to-end effect of the plugin, FULL target graphs kept
-included, in one command.
+"""The ``vllm`` engine: vLLM's real engine (``AsyncLLM`` on Model Runner V2)
+serving the same prompts in four modes, the users' measure of extraction.
 
-Every mode's engine is alive at once (each with ``--gpu-memory-utilization``
-of the GPU) so that their ``generate`` calls can be interleaved like every
-other engine's modes. vLLM loads the plugin in every process it starts, so
-the ``upstream`` engine is built with ``VLLM_PLUGINS`` set to load none, and
-every engine core is spawned (a forked one would inherit this process, where
-the plugin already replaced vLLM's class). A size here is the number of prompts per ``generate`` call;
-each prompt generates ``--max-tokens`` tokens with EOS ignored. Latency
-columns are per generated token position: a call's wall time divided by
-``--max-tokens`` (prefill included).
+* ``baseline``: the target alone, no speculator and no connector;
+* ``upstream``: vLLM's own ``extract_hidden_states`` speculator (the plugin
+  not loaded in the engine's processes);
+* ``eager`` / ``graph``: ours, ``cudagraph`` false / true.
 
-Model Runner V2 needs CUDA and Triton; :func:`check_can_run` stops the sweep
-before anything else when either is missing. Not run on the CPU machines this
-was written on: see perf/README.md.
+Every mode but ``baseline`` saves each request's hidden states through a
+hidden-states connector (vLLM's ``ExampleHiddenStatesConnector`` on a GPU,
+:mod:`perf.cpu_hidden_states_connector` on a CPU), and ``--clients``
+clients each read their request's file back as it finishes, as vLLM's
+``benchmarks/benchmark_hidden_state_extraction.py`` does. The workload:
+``prefill`` (``max_tokens=1``: data generation) or ``decode`` (``--max-tokens``
+generated per prompt, their hidden states saved too). A size is the number
+of prompts in one run.
+
+On a CPU the engine starts as the e2e tests start it (:mod:`perf.cpu_engine`:
+Triton's interpreter, the stand-in backend, the worker that captures our
+graphs, emulated), with a tiny dummy Llama unless ``--model`` names one.
+Its timings are the CPU's, not a GPU's.
+
+Modes run one engine at a time, each shut down (its engine process gone, its
+memory given back) before the next starts, so each gets the whole
+``--gpu-memory-utilization`` a user would give it; a whole-engine run lasts
+seconds, so the interleaving the step engines use against drift matters less
+than giving each mode the KV cache it would have alone. ``baseline`` and
+``upstream`` run first, so the ratios of each later mode are known when it
+finishes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import math
 import os
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from perf.engines import VLLM_DTYPES, Mode
-from perf.measure import Timings, interleaved_schedule
-from perf.report import add_speedups
+from perf.measure import Timings
 
-# Mode -> our keys in the speculative config; None: the plugin not loaded.
-OUR_KEYS = {
-    "upstream": None,
-    "eager": {"cudagraph": False},
-    "graph": {"cudagraph": True},
-}
 MODES = {
-    "upstream": Mode("upstream", "a whole LLM with vLLM's own speculator", None),
-    "eager": Mode("eager", "a whole LLM with ours, cudagraph false", None),
-    "graph": Mode("graph", "a whole LLM with ours, cudagraph true", None),
+    "baseline": Mode("baseline", "the target alone: no speculator, no connector", None),
+    "upstream": Mode("upstream", "vLLM's own speculator, saving hidden states", None),
+    "eager": Mode("eager", "ours, cudagraph false, saving hidden states", None),
+    "graph": Mode("graph", "ours, cudagraph true, saving hidden states", None),
 }
+# Mode -> our keys in the speculative config; absent: vLLM's speculator, the
+# plugin not loaded in the engine's processes.
+OUR_KEYS = {"eager": {"cudagraph": False}, "graph": {"cudagraph": True}}
+REFERENCE = "upstream"  # bit_exact compares every saved file with its
+WORKLOADS = ("prefill", "decode")
+PLUGIN = "cg_extract"
+# The CPU engine's graph sizes (emulated): up to its max_num_batched_tokens,
+# so that prefill chunks replay too.
+CPU_CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64]
 
 
-def check_can_run() -> None:
-    """Exit with the reason when this machine cannot run MRv2."""
-    if not torch.cuda.is_available():
-        raise SystemExit(
-            "sweep: --engine vllm runs a whole vLLM engine on Model Runner V2, "
-            "which needs a CUDA GPU and Triton; this machine has no CUDA device "
-            "(torch.cuda.is_available() is False). Use --engine speculator (real "
-            "vLLM speculators, no engine) or --engine kernel here."
-        )
+def prepare(device: str) -> None:
+    """Make this process able to start the engine on ``device``, or exit
+    with the reason. On a CPU: the environment of :mod:`perf.cpu_engine`,
+    which must be in place before ``vllm`` is first imported."""
+    if device == "cpu":
+        if "vllm" in sys.modules and "TRITON_INTERPRET" not in os.environ:
+            raise SystemExit(
+                "sweep: --engine vllm on a CPU must set up Triton's interpreter "
+                "before vLLM is imported, and this process imported vLLM "
+                "already; run perf/sweep.py in a fresh process"
+            )
+        from perf.cpu_engine import enter_cpu_env
+
+        enter_cpu_env()
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    # A forked engine process would inherit this one, where the plugin
+    # replaced vLLM's class: upstream's engine would run ours.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     try:
         from vllm.triton_utils import HAS_TRITON
     except ImportError as why:
         raise SystemExit(f"sweep: --engine vllm needs vLLM: {why}") from why
     if not HAS_TRITON:
         raise SystemExit(
-            "sweep: --engine vllm needs Triton with a GPU backend for Model Runner "
-            "V2, and vLLM found none (vllm.triton_utils.HAS_TRITON is False)."
+            "sweep: --engine vllm needs Triton for Model Runner V2, and vLLM "
+            "found none usable (vllm.triton_utils.HAS_TRITON is False)"
         )
 
 
-def run(args: Any, sampler: Any, emit: Callable[[list[dict[str, Any]]], None]) -> None:
-    """Emit one row per mode as each size finishes."""
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    llms = {mode: _make_llm(args, OUR_KEYS[mode]) for mode in args.modes_for["vllm"]}
-    for size in args.sizes:
-        generator = torch.Generator().manual_seed(args.seed + size)
-        prompts = [
-            {
-                "prompt_token_ids": torch.randint(
-                    0, 1000, (args.prompt_len,), generator=generator
-                ).tolist()
-            }
-            for _ in range(size)
-        ]
-        size_rows = _measure(args, llms, prompts, sampler)
-        add_speedups(size_rows)
-        emit(size_rows)
+# --------------------------------------------------------------------------
+# Engine arguments
 
 
-def _make_llm(args: Any, our_keys: dict[str, Any] | None):
-    from vllm import LLM
+def engine_kwargs(args: Any, mode: str, storage: Path) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keywords of ``mode``."""
+    from perf import cpu_engine
+    from perf.cpu_hidden_states_connector import kv_transfer_config
+    from perf.engine_probe import EXTENSION
+    from perf.harness import emulated_graph_keys, speculative_config
 
-    from perf.harness import speculative_config
-
-    with _plugins_loaded(our_keys is not None):
-        return LLM(
-            model=args.model,
-            speculative_config=speculative_config(
-                list(args.layers), **(our_keys or {})
-            ),
-            dtype=VLLM_DTYPES[args.dtype],
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_num_seqs=max(args.sizes),
-            seed=args.seed,
+    cpu = args.device == "cpu"
+    kwargs: dict[str, Any] = {
+        "model": args.model,
+        "dtype": VLLM_DTYPES[args.dtype],
+        "seed": args.seed,
+        "skip_tokenizer_init": True,  # prompts are token ids
+        "max_num_seqs": args.clients,
+        # Timed runs repeat the same prompts: a prefix hit would skip the work.
+        "enable_prefix_caching": False,
+    }
+    if args.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.dummy_model:
+        kwargs["load_format"] = "dummy"
+    if cpu:
+        kwargs.update(
+            enforce_eager=True,  # inductor would need a real Triton driver
+            worker_cls=cpu_engine.WORKER,
+            block_size=cpu_engine.BLOCK_SIZE,
+            max_num_batched_tokens=cpu_engine.MAX_NUM_BATCHED_TOKENS,
+            max_model_len=args.prompt_len + args.max_tokens,
         )
+        kwargs.setdefault("gpu_memory_utilization", 0.15)  # of host memory
+    else:
+        kwargs["worker_extension_cls"] = EXTENSION
+    if mode == "baseline":
+        return kwargs
+    keys = dict(OUR_KEYS.get(mode, {}))
+    if mode == "graph" and cpu:
+        keys.update(emulated_graph_keys(args.capture_sizes or CPU_CAPTURE_SIZES))
+    elif mode == "graph" and args.capture_sizes:
+        keys["cudagraph_capture_sizes"] = list(args.capture_sizes)
+    kwargs["speculative_config"] = speculative_config(list(args.layers), **keys)
+    kwargs["kv_transfer_config"] = (
+        kv_transfer_config(storage)
+        if cpu
+        else {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        }
+    )
+    return kwargs
 
 
 @contextlib.contextmanager
-def _plugins_loaded(ours: bool) -> Iterator[None]:
-    """Without ``ours``, the engine processes started inside load no plugin
-    (they read ``VLLM_PLUGINS`` when they start), so they build vLLM's class."""
+def plugin_for(mode: str) -> Iterator[None]:
+    """vLLM's speculator modes start their engine processes with no plugin
+    (they read ``VLLM_PLUGINS`` when they start); ours with ours."""
     saved = os.environ.get("VLLM_PLUGINS")
-    if not ours:
-        os.environ["VLLM_PLUGINS"] = ""
+    os.environ["VLLM_PLUGINS"] = PLUGIN if mode in OUR_KEYS else ""
     try:
         yield
     finally:
@@ -120,41 +166,232 @@ def _plugins_loaded(ours: bool) -> Iterator[None]:
             os.environ["VLLM_PLUGINS"] = saved
 
 
-def _measure(args, llms, prompts, sampler) -> list[dict[str, Any]]:
+def load_our_plugin() -> None:
+    """Our config hook, in this (the front-end) process, before any engine.
+
+    ``EngineArgs.__post_init__`` calls ``load_general_plugins()``, which
+    sets a process-wide "loaded" flag the first time, whatever
+    ``VLLM_PLUGINS`` says then: building ``baseline`` or ``upstream`` first
+    (with no plugin) would leave ours unloaded here for good, and vLLM's
+    ``SpeculativeConfig`` would refuse ``cudagraph`` for ``eager`` and
+    ``graph``. The hook changes nothing for a config without our keys.
+    """
+    from cg_extract.plugin import register
+
+    register()
+
+
+# --------------------------------------------------------------------------
+# Running one mode
+
+
+@dataclass
+class SizeResult:
+    """One mode's runs of one size."""
+
+    wall_s: list[float] = field(default_factory=list)  # per timed run
+    latency: Timings = field(default_factory=Timings)  # per request, us
+    digests: list[str] = field(default_factory=list)  # per prompt (first run)
+    stats_before: Any = None
+    stats_after: Any = None
+
+
+def prompts_for(args: Any, size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(args.seed + size)
+    return [
+        torch.randint(1, 1000, (args.prompt_len,), generator=generator).tolist()
+        for _ in range(size)
+    ]
+
+
+def digest(saved: dict[str, torch.Tensor], output: list[int]) -> str:
+    """The saved tensors' bytes, dtypes and shapes, and the generated tokens."""
+    sha = hashlib.sha256()
+    for key in sorted(saved):
+        t = saved[key].contiguous()
+        sha.update(f"{key} {t.dtype} {tuple(t.shape)}".encode())
+        sha.update(t.view(torch.uint8).numpy().tobytes())
+    sha.update(repr(output).encode())
+    return sha.hexdigest()
+
+
+async def serve(engine, args, mode: str, prompts, tag: str, check: bool):
+    """All prompts through ``--clients`` clients; each reads its request's
+    file back as the request finishes. Returns the wall time, the request
+    latencies (us) and, when ``check``, each prompt's digest."""
     from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
+    from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0)
-    size = len(prompts)
+    decode = args.workload == "decode"
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        # Decode steps are the small ones graphs replay: save their rows too.
+        extra_args={"kv_transfer_params": {"include_output_tokens": True}}
+        if decode and mode != "baseline"
+        else None,
+    )
+    latencies = [0.0] * len(prompts)
+    digests = [""] * len(prompts)
+    queue = iter(range(len(prompts)))
 
-    def generate(mode: str) -> None:
-        llms[mode].generate(prompts, params, use_tqdm=False)
+    async def client() -> None:
+        for i in queue:
+            start = time.perf_counter()
+            final = None
+            async for out in engine.generate(
+                TokensPrompt(prompt_token_ids=prompts[i]), params, f"{tag}-{i}"
+            ):
+                final = out
+            if mode != "baseline":
+                path = (final.kv_transfer_params or {}).get("hidden_states_path")
+                if path is None:
+                    raise RuntimeError(
+                        f"{mode}: request {tag}-{i} finished without a "
+                        f"hidden_states_path (kv_transfer_params "
+                        f"{final.kv_transfer_params})"
+                    )
+                saved = await asyncio.to_thread(load_hidden_states, path)
+                cleanup_hidden_states(path)
+                if check:
+                    digests[i] = digest(saved, list(final.outputs[0].token_ids))
+            latencies[i] = (time.perf_counter() - start) * 1e6
 
-    for mode in llms:
-        for _ in range(args.warmup):
-            generate(mode)
-    calls_us: dict[str, list[float]] = {mode: [] for mode in llms}
-    for mode, count in interleaved_schedule(list(llms), args.iters, 1):
-        with sampler.segment(("vllm", mode, size)):
-            for _ in range(count):
-                start = time.perf_counter()
-                generate(mode)
-                calls_us[mode].append((time.perf_counter() - start) * 1e6)
-    rows = []
-    for mode, calls in calls_us.items():
-        steps = Timings(device_us=[t / args.max_tokens for t in calls])
-        rows.append(
-            {
-                "engine": "vllm",
-                "mode": mode,
-                "device": "cuda",
-                "num_tokens": size,
-                "padded_tokens": math.nan,
-                "p50_us": steps.percentile(50),
-                "p90_us": steps.percentile(90),
-                "p99_us": steps.percentile(99),
-                "host_us": math.nan,
-                "tokens_per_s": size / (steps.percentile(50) * 1e-6),
-                **sampler.summary(("vllm", mode, size), len(calls) * args.max_tokens),
-            }
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(args.clients)))
+    return time.perf_counter() - start, latencies, digests
+
+
+async def run_mode(args, mode: str, storage: Path, sampler) -> tuple[str, dict]:
+    """Start ``mode``'s engine, run every size, shut it down. Returns the
+    runner's resolved graph mode and the results by size."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    with plugin_for(mode):
+        engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**engine_kwargs(args, mode, storage))
         )
-    return rows
+    try:
+        (graph_mode, *_) = await engine.collective_rpc("cudagraph_mode")
+        results = {}
+        for size in args.sizes:
+            prompts = prompts_for(args, size)
+            result = SizeResult()
+            # The first run checks (digests), then warm-ups, then timed runs.
+            _, _, result.digests = await serve(
+                engine, args, mode, prompts, f"{size}-check", True
+            )
+            for w in range(args.warmup):
+                await serve(engine, args, mode, prompts, f"{size}-w{w}", False)
+            result.stats_before = await speculator_stats(engine)
+            with sampler.segment(("vllm", mode, size)):
+                for r in range(args.iters):
+                    wall, latencies, _ = await serve(
+                        engine, args, mode, prompts, f"{size}-r{r}", False
+                    )
+                    result.wall_s.append(wall)
+                    result.latency.device_us += latencies
+            result.stats_after = await speculator_stats(engine)
+            results[size] = result
+        return graph_mode, results
+    finally:
+        engine.shutdown()
+
+
+async def speculator_stats(engine) -> dict[str, Any] | None:
+    (rank0, *_) = await engine.collective_rpc("speculator_stats")
+    return rank0
+
+
+# --------------------------------------------------------------------------
+# Rows
+
+
+def run(args: Any, sampler: Any, emit: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Run the modes one engine at a time; emit each mode's rows as it ends."""
+    load_our_plugin()
+    if args.dummy_model:
+        from perf.harness import write_model_dir
+
+        args.model = str(write_model_dir(Path(tempfile.mkdtemp()) / "model"))
+    storage = Path(
+        tempfile.mkdtemp(
+            prefix="cg_extract_sweep_",
+            dir="/dev/shm" if Path("/dev/shm").is_dir() else None,
+        )
+    )
+    done: dict[str, dict[int, dict[str, Any]]] = {}  # mode -> size -> row
+    digests: dict[str, dict[int, list[str]]] = {}
+    for mode in args.modes_for["vllm"]:
+        graph_mode, results = asyncio.run(run_mode(args, mode, storage, sampler))
+        digests[mode] = {size: r.digests for size, r in results.items()}
+        done[mode] = {
+            size: row_of(args, mode, size, graph_mode, r, sampler)
+            for size, r in results.items()
+        }
+        for size, row in done[mode].items():
+            fill_ratios(row, {m: rows[size] for m, rows in done.items()})
+            row["bit_exact"] = bit_exact(mode, size, digests)
+        emit(list(done[mode].values()))
+    with contextlib.suppress(OSError):
+        storage.rmdir()  # every file was read back and removed
+
+
+def row_of(args, mode: str, size: int, graph_mode: str, r: SizeResult, sampler):
+    median_s = float(torch.tensor(r.wall_s, dtype=torch.float64).median())
+    tokens = size * (args.prompt_len if args.workload == "prefill" else args.max_tokens)
+    ours = (r.stats_after or {}).get("stats")
+    before = (r.stats_before or {}).get("stats") or {}
+
+    def delta(key: str) -> float:
+        return ours[key] - before.get(key, 0) if ours else math.nan
+
+    return {
+        "engine": "vllm",
+        "mode": mode,
+        "device": args.device,
+        "num_tokens": size,
+        "padded_tokens": math.nan,
+        "p50_us": r.latency.percentile(50),
+        "p90_us": r.latency.percentile(90),
+        "p99_us": r.latency.percentile(99),
+        "host_us": math.nan,
+        "tokens_per_s": tokens / median_s,
+        "prompts_per_s": size / median_s,
+        **sampler.summary(("vllm", mode, size), len(r.wall_s) * tokens),
+        "cudagraph_mode": graph_mode,
+        "captured_sizes": " ".join(map(str, ours["captured_sizes"])) if ours else "",
+        "copy_in_replays": delta("copy_in_replays"),
+        "zero_copy_replays": delta("zero_copy_replays"),
+        "eager_steps": delta("eager_steps"),
+    }
+
+
+def fill_ratios(row: dict[str, Any], by_mode: dict[str, dict[str, Any]]) -> None:
+    """Throughput ratios against the modes of the same size done so far:
+    ``slowdown_vs_baseline`` is vLLM's "extraction slowdown factor"
+    (baseline tokens/s over this mode's); the speedups are this mode's
+    tokens/s over the reference's."""
+
+    def of(mode: str) -> float:
+        return by_mode[mode]["tokens_per_s"] if mode in by_mode else math.nan
+
+    row["slowdown_vs_baseline"] = of("baseline") / row["tokens_per_s"]
+    row["speedup_vs_upstream"] = row["tokens_per_s"] / of("upstream")
+    row["speedup_vs_eager"] = row["tokens_per_s"] / of("eager")
+
+
+def bit_exact(mode: str, size: int, digests: dict[str, dict[int, list[str]]]):
+    """Every saved file (and generated token) the same as ``upstream``'s for
+    the same prompt; None for modes that save nothing or are the reference,
+    or without an ``upstream`` run."""
+    if mode in ("baseline", REFERENCE) or REFERENCE not in digests:
+        return None
+    return digests[mode][size] == digests[REFERENCE][size]
