@@ -106,6 +106,24 @@ TABLE = [
 ]
 
 
+# The whole engine's table: throughput, the users' ratio, what ran.
+VLLM_TABLE = [
+    "engine",
+    "mode",
+    "num_tokens",
+    "p50_us",
+    "tokens_per_s",
+    "prompts_per_s",
+    "slowdown_vs_baseline",
+    "speedup_vs_upstream",
+    "cudagraph_mode",
+    "captured_sizes",
+    "copy_in_replays",
+    "zero_copy_replays",
+    "bit_exact",
+]
+
+
 def add_speedups(rows: list[dict[str, Any]]) -> None:
     """Fill the speedup columns of one size's rows from their p50s."""
     p50 = {row["mode"]: row["p50_us"] for row in rows}
@@ -170,7 +188,8 @@ def plot(
     latency.set(
         xlabel="tokens per step", ylabel="p50 step latency (us)", title="Step latency"
     )
-    engines = set(frame["engine"])
+    engines_run = set(frame["engine"])
+    engines = set(engines_run)
     reference = "each engine's upstream"
     if len(engines) == 1 and engines <= UPSTREAM.keys():
         reference = UPSTREAM[engines.pop()]
@@ -192,11 +211,16 @@ def plot(
         ax.legend(fontsize="small")
     if len(frame):
         first = frame.iloc[0]
-        fig.suptitle(
+        title = (
             f"{first['device_name']} | {first['dtype']}, hidden {first['hidden_size']}, "
-            f"aux layers {first['aux_layers']} | {first['git_commit']}",
-            fontsize="small",
+            f"aux layers {first['aux_layers']} | {first['git_commit']}"
         )
+        if "vllm" in engines_run and first["device"] == "cpu":
+            title += (
+                "\nvLLM's engine on a CPU (x: prompts per run): timings "
+                "informative only, not GPU figures"
+            )
+        fig.suptitle(title, fontsize="small")
     note = left_out_note(left_out or {})
     fig.tight_layout(rect=(0, 0.06 * bool(note), 1, 1))
     if note:
@@ -220,6 +244,8 @@ def table(frame: pd.DataFrame) -> str:
     """The short table printed at the end of a sweep."""
     if frame.empty:
         return "(no rows)"
+    if set(frame["engine"]) == {"vllm"}:
+        return frame[VLLM_TABLE].fillna("").to_string(index=False)
     shown = frame[TABLE].copy()
     for column in ("p50_us", "p99_us"):
         shown[column] = shown[column].map(lambda v: f"{v:.1f}")

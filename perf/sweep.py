@@ -261,20 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill: max_tokens 1, as data generation and vLLM's hidden-state "
         "benchmark; decode: --max-tokens per prompt (default: prefill)",
     )
-    vllm.add_argument(
-        "--prompt-len",
-        type=positive_int,
-        help="tokens per prompt (default: cuda "
-        + " / cpu ".join(str(v[0]) for v in VLLM_LENGTHS.values())
-        + ")",
-    )
-    vllm.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        help="generated per prompt with --workload decode (default: cuda "
-        + " / cpu ".join(str(v[1]) for v in VLLM_LENGTHS.values())
-        + ")",
-    )
+    for index, (flag, what) in enumerate(
+        [
+            ("--prompt-len", "tokens per prompt"),
+            ("--max-tokens", "generated per prompt with --workload decode"),
+        ]
+    ):
+        by_device = " / ".join(f"{d} {v[index]}" for d, v in VLLM_LENGTHS.items())
+        vllm.add_argument(
+            flag, type=positive_int, help=f"{what} (default: {by_device})"
+        )
     vllm.add_argument(
         "--clients",
         type=positive_int,
