@@ -45,9 +45,12 @@ def _write_kernel(
     hidden_size,
     BLOCK_H: tl.constexpr,
 ):
+    # Every offset is int64: a stride fits int32 whenever the tensor's strides
+    # do, but a stride times an index need not (a cache with its layer axis
+    # outside the block axis puts layer 2 past 2**31 elements at 1 GiB a layer).
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + row * slot_stride).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     # A negative slot masks every lane: nothing is read or written.
     mask = cols < tl.where(slot >= 0, hidden_size, 0)
     dst = (
@@ -59,7 +62,7 @@ def _write_kernel(
     for layer in tl.static_range(len(aux_ptrs)):
         src = aux_ptrs[layer] + row * aux_row_strides[layer]
         values = tl.load(src + cols * aux_col_strides[layer], mask=mask)
-        tl.store(dst + layer * stride_layer, values, mask=mask)
+        tl.store(dst + tl.full((), layer, tl.int64) * stride_layer, values, mask=mask)
 
 
 def write_owned_slots(
