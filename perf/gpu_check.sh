@@ -10,7 +10,7 @@
 #   sweep   a `kernel` sweep with real CUDA graphs and CUDA-event timing
 #           (sweep.log, kernel.csv/.png/.meta.json: capture cost in the meta)
 # env and collect need no CUDA; without CUDA the check stops after them.
-# Each step is capped (30 + 30 + 140 + 80 s, 5 s more each to die) so that one
+# Each step is capped (25 + 30 + 140 + 80 s, 5 s more each to die) so that one
 # try fits in 5 minutes; tests and sweep are stopped with SIGINT, on which
 # pytest prints its summary and the sweep keeps its finished rows.
 #
@@ -45,7 +45,7 @@ timed() {
 }
 
 # --- env ---------------------------------------------------------------------
-timed 30 KILL "$OUT/env.log" bash -c 'date -u; timeout 10 nvidia-smi || echo "nvidia-smi failed"
+timed 25 KILL "$OUT/env.log" bash -c 'date -u; timeout 10 nvidia-smi || echo "nvidia-smi failed"
 "$0" - <<EOF
 import importlib, importlib.util
 import torch
