@@ -10,17 +10,20 @@
 #   sweep   a `kernel` sweep with real CUDA graphs and CUDA-event timing
 #           (sweep.log, kernel.csv/.png/.meta.json: capture cost in the meta)
 # env and collect need no CUDA; without CUDA the check stops after them.
-# Each step is capped (25 + 30 + 140 + 80 s, 5 s more each to die) so that one
-# try fits in 5 minutes; tests and sweep are stopped with SIGINT, on which
-# pytest prints its summary and the sweep keeps its finished rows.
+# The whole check fits one 5-minute try: it ends within 285 s of its start
+# plus a few seconds for the verdict. env and collect are capped at 90 s each
+# (seconds on an idle machine; a busy CI runner needs more), tests at 140 s
+# or what leaves the sweep 75 s, the sweep at what is left; a capped step gets
+# 5 s more to stop. Tests and sweep are stopped with SIGINT, on which pytest
+# prints its summary and the sweep keeps its finished rows.
 #
 #   perf/gpu_check.sh OUTDIR        (PY=... to use another interpreter)
 #
 # OUTDIR also gets summary.txt: one line per step, then one verdict line.
 # Exit status: 0 passed; 1 a CUDA step failed (a test, the sweep, a wrong
 # byte, or a cap reached); 2 could not start (no interpreter, a module
-# missing, a test file that does not collect); 3 no CUDA here (every step
-# that needs none passed).
+# missing, a test file that does not collect, pytest or the sweep refusing to
+# run); 3 no CUDA here (every step that needs none passed).
 set -uo pipefail
 OUT=${1:?usage: perf/gpu_check.sh OUTDIR}
 cd "$(dirname "$0")/.."
@@ -36,6 +39,8 @@ verdict() {
     note "gpu_check: $2"
     exit "$1"
 }
+BUDGET=285 START=$SECONDS
+left() { echo $((BUDGET - (SECONDS - START))); }
 # timed SECONDS SIGNAL LOG CMD...: runs CMD under a cap; sets rc and took.
 timed() {
     local cap=$1 sig=$2 log=$3 start=$SECONDS
@@ -45,7 +50,7 @@ timed() {
 }
 
 # --- env ---------------------------------------------------------------------
-timed 25 KILL "$OUT/env.log" bash -c 'date -u; timeout 10 nvidia-smi || echo "nvidia-smi failed"
+timed 90 KILL "$OUT/env.log" bash -c 'date -u; timeout 10 nvidia-smi || echo "nvidia-smi failed"
 "$0" - <<EOF
 import importlib, importlib.util
 import torch
@@ -70,7 +75,7 @@ note "env: ${took} s; $(grep '^torch ' "$OUT/env.log")${missing:+; MISSING: $mis
 [ -n "$missing" ] && not_started+=("modules missing: $missing")
 
 # --- collect: needs no CUDA --------------------------------------------------
-timed 30 KILL "$OUT/collect.log" "$PY" -m pytest tests/ --collect-only -q -p no:cacheprovider
+timed 90 KILL "$OUT/collect.log" "$PY" -m pytest tests/ --collect-only -q -p no:cacheprovider
 errors=$(grep -E '^ERROR ' "$OUT/collect.log" | sed 's/^ERROR //' | paste -sd ' ' -)
 note "collect: exit $rc, ${took} s: $(tail -n 1 "$OUT/collect.log")"
 if [ "$rc" -ne 0 ]; then
@@ -85,25 +90,31 @@ fi
 
 # --- tests: CUDA -------------------------------------------------------------
 # A collection error must not hide the results of the other files.
-timed 140 INT "$OUT/pytest.log" "$PY" -m pytest -m cuda tests/ -q -rA -p no:cacheprovider \
+cap=$(($(left) - 5 - 75 - 5))  # the sweep keeps 75 s
+cap=$((cap > 140 ? 140 : (cap < 10 ? 10 : cap)))
+timed $cap INT "$OUT/pytest.log" "$PY" -m pytest -m cuda tests/ -q -rA -p no:cacheprovider \
     --continue-on-collection-errors --junitxml="$OUT/junit.xml"
 note "tests: exit $rc, ${took} s: $(tail -n 1 "$OUT/pytest.log")"
 grep '^runner_imitation:' "$OUT/pytest.log" | tee -a "$OUT/summary.txt"
-case $rc in
+case $rc in  # pytest: 1 some failed; 2 to 5 it ran none or stopped
     0) ;;
-    124) failed+=("the cuda tests reached their 140 s cap") ;;
-    *) failed+=("cuda tests (exit $rc)") ;;
+    1) failed+=("cuda tests (pytest.log)") ;;
+    124) failed+=("the cuda tests reached their ${cap} s cap") ;;
+    *) not_started+=("pytest -m cuda ran no tests (exit $rc, pytest.log)") ;;
 esac
 
 # --- sweep: CUDA -------------------------------------------------------------
-timed 80 INT "$OUT/sweep.log" "$PY" perf/sweep.py --engine kernel --device cuda \
+cap=$(($(left) - 5))
+cap=$((cap < 10 ? 10 : cap))
+timed $cap INT "$OUT/sweep.log" "$PY" perf/sweep.py --engine kernel --device cuda \
     --out "$OUT/kernel.csv"
 note "sweep: exit $rc, ${took} s"
 tr '\r' '\n' < "$OUT/sweep.log" | grep -v '^sweep:' | tail -n 60 | tee -a "$OUT/summary.txt"
-case $rc in
+case $rc in  # sweep: 2 refused its arguments or no mode can run
     0) ;;
-    124) failed+=("the kernel sweep reached its 80 s cap (kernel.csv has the rows that finished)") ;;
-    *) failed+=("kernel sweep (exit $rc)") ;;
+    2) not_started+=("the kernel sweep refused to run (sweep.log)") ;;
+    124) failed+=("the kernel sweep reached its ${cap} s cap (kernel.csv has the rows that finished)") ;;
+    *) failed+=("kernel sweep (exit $rc, sweep.log)") ;;
 esac
 if [ -s "$OUT/kernel.csv" ] && ! "$PY" - "$OUT/kernel.csv" <<'EOF'; then
 import sys
