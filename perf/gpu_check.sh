@@ -47,6 +47,7 @@ timed() {
     shift 3
     timeout -s "$sig" -k 5 "$cap" "$@" > "$log" 2>&1
     rc=$? took=$((SECONDS - start))
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then rc=capped; fi  # 137: it ignored $sig
 }
 
 # --- env ---------------------------------------------------------------------
@@ -78,7 +79,9 @@ note "env: ${took} s; $(grep '^torch ' "$OUT/env.log")${missing:+; MISSING: $mis
 timed 90 KILL "$OUT/collect.log" "$PY" -m pytest tests/ --collect-only -q -p no:cacheprovider
 errors=$(grep -E '^ERROR ' "$OUT/collect.log" | sed 's/^ERROR //' | paste -sd ' ' -)
 note "collect: exit $rc, ${took} s: $(tail -n 1 "$OUT/collect.log")"
-if [ "$rc" -ne 0 ]; then
+if [ "$rc" = capped ]; then
+    not_started+=("collecting tests/ ran past its 90 s cap")
+elif [ "$rc" != 0 ]; then
     not_started+=("tests/ does not collect (exit $rc): ${errors:-see collect.log}")
 fi
 
@@ -99,7 +102,7 @@ grep '^runner_imitation:' "$OUT/pytest.log" | tee -a "$OUT/summary.txt"
 case $rc in  # pytest: 1 some failed; 2 to 5 it ran none or stopped
     0) ;;
     1) failed+=("cuda tests (pytest.log)") ;;
-    124) failed+=("the cuda tests reached their ${cap} s cap") ;;
+    capped) failed+=("the cuda tests reached their ${cap} s cap") ;;
     *) not_started+=("pytest -m cuda ran no tests (exit $rc, pytest.log)") ;;
 esac
 
@@ -113,7 +116,7 @@ tr '\r' '\n' < "$OUT/sweep.log" | grep -v '^sweep:' | tail -n 60 | tee -a "$OUT/
 case $rc in  # sweep: 2 refused its arguments or no mode can run
     0) ;;
     2) not_started+=("the kernel sweep refused to run (sweep.log)") ;;
-    124) failed+=("the kernel sweep reached its ${cap} s cap (kernel.csv has the rows that finished)") ;;
+    capped) failed+=("the kernel sweep reached its ${cap} s cap (kernel.csv has the rows that finished)") ;;
     *) failed+=("kernel sweep (exit $rc, sweep.log)") ;;
 esac
 if [ -s "$OUT/kernel.csv" ] && ! "$PY" - "$OUT/kernel.csv" <<'EOF'; then
