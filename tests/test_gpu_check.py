@@ -2,7 +2,8 @@
 run it: ``python3`` first on ``PATH`` (this interpreter's), no vLLM
 (``tests/no_vllm_site``), torch without CUDA. Every step that needs no CUDA
 must pass and the script must end with its own "no CUDA" status; a test file
-that imports vLLM unguarded must turn that into "could not start"."""
+that imports vLLM unguarded must turn that into "could not start". And the
+Triton compiles the check pays for stay few."""
 
 from __future__ import annotations
 
@@ -78,3 +79,23 @@ def test_an_unguarded_vllm_import_makes_the_rehearsal_fail(tmp_path):
     assert last.startswith("gpu_check: could not start: tests/ does not collect"), log
     assert "tests/test_unguarded.py" in last, log
     assert done.returncode == NOT_STARTED, log
+
+
+def test_the_measured_kernel_is_among_the_dozen_the_kernel_tests_compile():
+    """What the check's Triton compiles cost (``tests/kernel_keys.py``): every
+    case of the kernel's CUDA tests is one compile, no more, and every mode of
+    the sweep launches one kernel, which those tests compile too."""
+    pytest.importorskip("triton")
+    from tests import kernel_keys
+    from tests.test_write_kernel_cuda import CUDA_CASES
+
+    tested = kernel_keys.KernelKeys()
+    kernel_keys.kernel_test_launches(tested)
+    assert len(tested.compiles) == len(CUDA_CASES) == 12
+    measured = kernel_keys.KernelKeys()
+    with kernel_keys.recording(measured):
+        kernel_keys.sweep_launches(
+            ["--sizes", "1", "3", "600", "--capture-sizes", "1", "4"]
+        )
+    assert len(measured.compiles) == 1
+    assert measured.compiles.keys() <= tested.compiles.keys()
