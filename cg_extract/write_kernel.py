@@ -29,7 +29,10 @@ import triton.language as tl
 MIN_BLOCK_H, MAX_BLOCK_H = 16, 1024
 
 
-@triton.jit
+# Triton compiles one variant per pattern of its int arguments (== 1, a
+# multiple of 16); the slot stride is read once per program, where knowing it
+# buys nothing, so it gets none (a strided slot view costs no extra compile).
+@triton.jit(do_not_specialize=["slot_stride"])
 def _write_kernel(
     aux_ptrs,  # tuple of L pointers to [n, H] rows
     aux_row_strides,  # tuple of L ints
@@ -45,9 +48,12 @@ def _write_kernel(
     hidden_size,
     BLOCK_H: tl.constexpr,
 ):
+    # Every offset is int64: a stride fits int32 whenever the tensor's strides
+    # do, but a stride times an index need not (a cache with its layer axis
+    # outside the block axis puts layer 2 past 2**31 elements at 1 GiB a layer).
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + row * slot_stride).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     # A negative slot masks every lane: nothing is read or written.
     mask = cols < tl.where(slot >= 0, hidden_size, 0)
     dst = (
@@ -59,7 +65,7 @@ def _write_kernel(
     for layer in tl.static_range(len(aux_ptrs)):
         src = aux_ptrs[layer] + row * aux_row_strides[layer]
         values = tl.load(src + cols * aux_col_strides[layer], mask=mask)
-        tl.store(dst + layer * stride_layer, values, mask=mask)
+        tl.store(dst + tl.full((), layer, tl.int64) * stride_layer, values, mask=mask)
 
 
 def write_owned_slots(
@@ -69,13 +75,23 @@ def write_owned_slots(
 ) -> None:
     """Launch the kernel: same contract as
     :func:`cg_extract.cache_write.write_owned_slots`."""
-    num_tokens = slot_mapping.shape[0]
-    hidden_size = kv_cache.shape[3]
-    if num_tokens == 0:
+    if slot_mapping.shape[0] == 0:
         return
+    grid, args, constexprs = launch_args(aux_hidden_states, kv_cache, slot_mapping)
+    _write_kernel[grid](*args, **constexprs)
+
+
+def launch_args(
+    aux_hidden_states: Sequence[torch.Tensor],
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[tuple[int, int], tuple, dict[str, int]]:
+    """Grid, arguments and constexprs of the launch for these tensors (what
+    Triton specialises on: ``tests/kernel_keys.py`` counts them)."""
+    hidden_size = kv_cache.shape[3]
     block_h = min(max(triton.next_power_of_2(hidden_size), MIN_BLOCK_H), MAX_BLOCK_H)
-    grid = (num_tokens, triton.cdiv(hidden_size, block_h))
-    _write_kernel[grid](
+    grid = (slot_mapping.shape[0], triton.cdiv(hidden_size, block_h))
+    args = (
         tuple(aux_hidden_states),
         tuple(h.stride(0) for h in aux_hidden_states),
         tuple(h.stride(1) for h in aux_hidden_states),
@@ -85,5 +101,5 @@ def write_owned_slots(
         kv_cache.shape[2],
         *kv_cache.stride(),
         hidden_size,
-        BLOCK_H=block_h,
     )
+    return grid, args, {"BLOCK_H": block_h}

@@ -1,65 +1,135 @@
 #!/usr/bin/env bash
-# GPU check for a CUDA machine WITHOUT vLLM (torch with CUDA, triton,
-# nvidia-ml-py, and cg_extract's base dependencies: tqdm, pandas, matplotlib,
-# plus pytest). Runs the cuda-marked tests (the runner imitation of
-# tests/test_runner_imitation.py among them, whose capture times, graph memory
-# and replays per path land in pytest.log), then a `kernel` sweep with real
-# CUDA graphs and CUDA-event timing (capture cost in kernel.meta.json).
-# Steps are capped (150 s + 120 s) so that the check fits in 5 minutes and a
-# second try fits in a task's device time; they are stopped with SIGINT, on
-# which pytest prints its summary and the sweep keeps its finished rows.
+# GPU check for a CUDA machine WITHOUT vLLM (python3 with torch, triton,
+# nvidia-ml-py, tqdm, pandas, matplotlib, pytest, hypothesis). Steps:
+#   env     what the machine has (env.log)
+#   collect every test file collects (collect.log): test files that import
+#           vLLM skip themselves, so an error here is a file that does not
+#   tests   the cuda-marked tests (pytest.log, junit.xml): real graphs, the
+#           Triton kernel, the runner imitation (its capture times, graph
+#           memory and replays per path on `runner_imitation:` lines), NVML
+#   sweep   a `kernel` sweep with real CUDA graphs and CUDA-event timing
+#           (sweep.log, kernel.csv/.png/.meta.json: capture cost in the meta)
+# env and collect need no CUDA; without CUDA the check stops after them.
+# The whole check fits one 5-minute try: it ends within 285 s of its start
+# plus a few seconds for the verdict. env and collect are capped at 90 s each
+# (seconds on an idle machine; a busy CI runner needs more), tests at 140 s
+# or what leaves the sweep 75 s, the sweep at what is left; a capped step gets
+# 5 s more to stop. Tests and sweep are stopped with SIGINT, on which pytest
+# prints its summary and the sweep keeps its finished rows.
 #
-#   perf/gpu_check.sh OUTDIR
+#   perf/gpu_check.sh OUTDIR        (PY=... to use another interpreter)
 #
-# OUTDIR gets: env.log, pytest.log, junit.xml, sweep.log, kernel.csv,
-# kernel.png, kernel.meta.json, summary.txt. Exit status: 0 when the tests
-# and the sweep both passed.
+# OUTDIR also gets summary.txt: one line per step, then one verdict line.
+# Exit status: 0 passed; 1 a CUDA step failed (a test, the sweep, a wrong
+# byte, or a cap reached); 2 could not start (no interpreter, a module
+# missing, a test file that does not collect, pytest or the sweep refusing to
+# run); 3 no CUDA here (every step that needs none passed).
 set -uo pipefail
 OUT=${1:?usage: perf/gpu_check.sh OUTDIR}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PY:-python}
+PY=${PY:-python3}
+: > "$OUT/summary.txt"
+not_started=() failed=()
 
-{
-    date -u
-    nvidia-smi || echo "nvidia-smi failed"
-    "$PY" - <<'EOF'
+note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+joined() { printf '%s; ' "$@" | sed 's/; $//'; }
+verdict() {
+    note "gpu_check: $2"
+    exit "$1"
+}
+BUDGET=285 START=$SECONDS
+left() { echo $((BUDGET - (SECONDS - START))); }
+# timed SECONDS SIGNAL LOG CMD...: runs CMD under a cap; sets rc and took.
+timed() {
+    local cap=$1 sig=$2 log=$3 start=$SECONDS
+    shift 3
+    timeout -s "$sig" -k 5 "$cap" "$@" > "$log" 2>&1
+    rc=$? took=$((SECONDS - start))
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then rc=capped; fi  # 137: it ignored $sig
+}
+
+# --- env ---------------------------------------------------------------------
+timed 90 KILL "$OUT/env.log" bash -c 'date -u; timeout 10 nvidia-smi || echo "nvidia-smi failed"
+"$0" - <<EOF
 import importlib, importlib.util
 import torch
+print("python", __import__("sys").version.split()[0])
 print("torch", torch.__version__, "CUDA", torch.version.cuda,
       "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-for name in ("triton", "pynvml", "tqdm", "pandas", "matplotlib", "pytest"):
+for name in ("triton", "pynvml", "tqdm", "pandas", "matplotlib", "pytest", "hypothesis"):
     try:
-        module = importlib.import_module(name)
-        print(name, getattr(module, "__version__", "ok"))
+        print(name, getattr(importlib.import_module(name), "__version__", "ok"))
     except ImportError as why:
         print(name, "MISSING:", why)
 print("vllm importable:", importlib.util.find_spec("vllm") is not None)
-EOF
-} > "$OUT/env.log" 2>&1
+print("cuda available:", torch.cuda.is_available())
+EOF' "$PY"
 cat "$OUT/env.log"
-if grep -q MISSING "$OUT/env.log" || ! "$PY" -c "import torch; assert torch.cuda.is_available()"; then
-    echo "gpu_check: this machine lacks CUDA or a module listed as MISSING above" | tee "$OUT/summary.txt"
-    exit 3
+if ! grep -q '^cuda available:' "$OUT/env.log"; then
+    note "env: $PY could not list the environment (exit $rc, ${took} s; env.log)"
+    verdict 2 "could not start: $PY with torch is needed (set PY=...)"
+fi
+missing=$(grep MISSING "$OUT/env.log" | cut -d' ' -f1 | paste -sd ' ' -)
+note "env: ${took} s; $(grep '^torch ' "$OUT/env.log")${missing:+; MISSING: $missing}"
+[ -n "$missing" ] && not_started+=("modules missing: $missing")
+
+# --- collect: needs no CUDA --------------------------------------------------
+timed 90 KILL "$OUT/collect.log" "$PY" -m pytest tests/ --collect-only -q -p no:cacheprovider
+errors=$(grep -E '^ERROR ' "$OUT/collect.log" | sed 's/^ERROR //' | paste -sd ' ' -)
+note "collect: exit $rc, ${took} s: $(tail -n 1 "$OUT/collect.log")"
+if [ "$rc" = capped ]; then
+    not_started+=("collecting tests/ ran past its 90 s cap")
+elif [ "$rc" != 0 ]; then
+    not_started+=("tests/ does not collect (exit $rc): ${errors:-see collect.log}")
 fi
 
-# Other test files skip themselves without vLLM (importorskip); a collection
-# error in one must not hide the results of the rest.
-timeout -s INT -k 10 150 "$PY" -m pytest -m cuda tests/ -q -rA -p no:cacheprovider \
-    --continue-on-collection-errors --junitxml="$OUT/junit.xml" \
-    > "$OUT/pytest.log" 2>&1
-tests_rc=$?
+if ! grep -q '^cuda available: True' "$OUT/env.log"; then
+    [ ${#not_started[@]} -gt 0 ] && verdict 2 "could not start: $(joined "${not_started[@]}")"
+    verdict 3 "no CUDA here: torch sees no CUDA device; env and collect passed, the CUDA steps did not run"
+fi
+[ -n "$missing" ] && verdict 2 "could not start: $(joined "${not_started[@]}")"
 
-timeout -s INT -k 10 120 "$PY" perf/sweep.py --engine kernel --device cuda \
-    --out "$OUT/kernel.csv" > "$OUT/sweep.log" 2>&1
-sweep_rc=$?
+# --- tests: CUDA -------------------------------------------------------------
+# A collection error must not hide the results of the other files.
+cap=$(($(left) - 5 - 75 - 5))  # the sweep keeps 75 s
+cap=$((cap > 140 ? 140 : (cap < 10 ? 10 : cap)))
+timed $cap INT "$OUT/pytest.log" "$PY" -m pytest -m cuda tests/ -q -rA -p no:cacheprovider \
+    --continue-on-collection-errors --junitxml="$OUT/junit.xml"
+note "tests: exit $rc, ${took} s: $(tail -n 1 "$OUT/pytest.log")"
+grep '^runner_imitation:' "$OUT/pytest.log" | tee -a "$OUT/summary.txt"
+case $rc in  # pytest: 1 some failed; 2 to 5 it ran none or stopped
+    0) ;;
+    1) failed+=("cuda tests (pytest.log)") ;;
+    capped) failed+=("the cuda tests reached their ${cap} s cap") ;;
+    *) not_started+=("pytest -m cuda ran no tests (exit $rc, pytest.log)") ;;
+esac
 
-{
-    echo "pytest -m cuda tests/: exit $tests_rc"
-    tail -n 1 "$OUT/pytest.log"
-    grep '^runner_imitation:' "$OUT/pytest.log"
-    echo "kernel sweep: exit $sweep_rc"
-    tr '\r' '\n' < "$OUT/sweep.log" | grep -v '^sweep:' | tail -n 60
-} | tee "$OUT/summary.txt"
-[ "$tests_rc" -eq 0 ] && [ "$sweep_rc" -eq 0 ]
+# --- sweep: CUDA -------------------------------------------------------------
+cap=$(($(left) - 5))
+cap=$((cap < 10 ? 10 : cap))
+timed $cap INT "$OUT/sweep.log" "$PY" perf/sweep.py --engine kernel --device cuda \
+    --out "$OUT/kernel.csv"
+note "sweep: exit $rc, ${took} s"
+tr '\r' '\n' < "$OUT/sweep.log" | grep -v '^sweep:' | tail -n 60 | tee -a "$OUT/summary.txt"
+case $rc in  # sweep: 2 refused its arguments or no mode can run
+    0) ;;
+    2) not_started+=("the kernel sweep refused to run (sweep.log)") ;;
+    capped) failed+=("the kernel sweep reached its ${cap} s cap (kernel.csv has the rows that finished)") ;;
+    *) failed+=("kernel sweep (exit $rc, sweep.log)") ;;
+esac
+if [ -s "$OUT/kernel.csv" ] && ! "$PY" - "$OUT/kernel.csv" <<'EOF'; then
+import sys
+import pandas as pd
+frame = pd.read_csv(sys.argv[1])
+wrong = frame[frame["bit_exact"].eq(False)]
+print(wrong[["mode", "num_tokens"]].to_string(index=False) if len(wrong) else "")
+sys.exit(1 if len(wrong) else 0)
+EOF
+    failed+=("kernel sweep rows with bit_exact False")
+fi
+
+[ ${#not_started[@]} -gt 0 ] && verdict 2 "could not start: $(joined "${not_started[@]}")"
+[ ${#failed[@]} -gt 0 ] && verdict 1 "a CUDA step failed: $(joined "${failed[@]}")"
+verdict 0 "passed: the cuda tests and the kernel sweep"

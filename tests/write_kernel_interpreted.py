@@ -117,3 +117,39 @@ def test_strided_slots_are_read_by_their_stride():
     got = case.fresh_cache()
     write_kernel.write_owned_slots(case.aux, got, strided)
     assert same_bytes(got, case.expected())
+
+
+@pytest.mark.parametrize("axis", ["layer", "hidden"])
+def test_offsets_past_int32_land_where_they_belong(axis):
+    """A cache whose layer axis (a ROCm layout's) or hidden axis is outermost:
+    one stride fits int32 but a stride times an index does not. Computed in
+    int32 the offset wraps negative and the store lands before the cache (a
+    crash of this process). The storage is over 2 GiB of virtual memory; only
+    the rows written and compared are ever touched."""
+    num_blocks, block_size, num_layers = 4, 16, 3
+    if axis == "layer":  # layer 2 starts at 2**31 elements
+        hidden_size, big = 64, 2**30
+        strides = (block_size * hidden_size, big, hidden_size, 1)
+        span = (num_layers - 1) * big + num_blocks * block_size * hidden_size
+    else:  # column 64 starts at 2**31 elements
+        hidden_size, big = 128, 2**25
+        strides = (block_size * num_layers, block_size, 1, big)
+        span = (hidden_size - 1) * big + num_blocks * block_size * num_layers
+    cache = torch.empty(span, dtype=torch.uint8).as_strided(
+        (num_blocks, num_layers, block_size, hidden_size), strides
+    )
+    for layer in range(num_layers):
+        cache[:, layer].zero_()
+    gen = torch.Generator().manual_seed(5)
+    aux = [
+        torch.randint(1, 256, (5, hidden_size), generator=gen).to(torch.uint8)
+        for _ in range(num_layers)
+    ]
+    slots = torch.tensor([3, 17, -1, 40, 63])
+    write_kernel.write_owned_slots(aux, cache, slots)
+    want = torch.zeros(cache.shape, dtype=torch.uint8)
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            for layer in range(num_layers):
+                want[slot // block_size, layer, slot % block_size] = aux[layer][row]
+    assert torch.equal(cache.contiguous(), want)

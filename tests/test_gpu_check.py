@@ -1,0 +1,101 @@
+"""``perf/gpu_check.sh`` rehearsed on this CPU as the GPU check's machine would
+run it: ``python3`` first on ``PATH`` (this interpreter's), no vLLM
+(``tests/no_vllm_site``), torch without CUDA. Every step that needs no CUDA
+must pass and the script must end with its own "no CUDA" status; a test file
+that imports vLLM unguarded must turn that into "could not start". And the
+Triton compiles the check pays for stay few."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_VLLM_SITE = ROOT / "tests" / "no_vllm_site"
+NO_CUDA, NOT_STARTED = 3, 2
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a rehearsal for machines without CUDA"
+)
+
+
+def run_check(repo: Path, out: Path) -> subprocess.CompletedProcess:
+    """As its machine runs it: this interpreter is ``python3`` on ``PATH``,
+    and no ``python`` of it is (the machine documents only ``python3``)."""
+    bin_dir = out.parent / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    python3 = bin_dir / "python3"
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
+    ours = str(Path(sys.executable).parent)
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p != ours]
+    env = {k: v for k, v in os.environ.items() if k not in ("PY", "TRITON_INTERPRET")}
+    env["PATH"] = os.pathsep.join([str(bin_dir), *path])
+    env["PYTHONPATH"] = str(NO_VLLM_SITE)
+    return subprocess.run(
+        [str(repo / "perf" / "gpu_check.sh"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_rehearsal_runs_every_step_that_needs_no_cuda(tmp_path):
+    done = run_check(ROOT, tmp_path / "out")
+    log = done.stdout + done.stderr
+    out = tmp_path / "out"
+    env = (out / "env.log").read_text()
+    assert "vllm importable: False" in env, log  # the rehearsal hid it
+    assert "cuda available: False" in env, log
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("env: "), log
+    assert summary[1].startswith("collect: exit 0, "), log
+    assert "error" not in summary[1], log
+    assert summary[-1].startswith("gpu_check: no CUDA here: "), log
+    assert done.stdout.splitlines()[-1] == summary[-1]
+    assert done.returncode == NO_CUDA, log
+    assert not (out / "pytest.log").exists()  # the CUDA steps did not start
+
+
+def test_an_unguarded_vllm_import_makes_the_rehearsal_fail(tmp_path):
+    repo = tmp_path / "repo"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for part in ("cg_extract", "perf", "tests"):
+        shutil.copytree(ROOT / part, repo / part, ignore=skip)
+    shutil.copy(ROOT / "pyproject.toml", repo)
+    (repo / "tests" / "test_unguarded.py").write_text(
+        "import vllm\n\n\ndef test_nothing():\n    assert vllm\n"
+    )
+    done = run_check(repo, tmp_path / "out")
+    log = done.stdout + done.stderr
+    last = done.stdout.splitlines()[-1]
+    assert last.startswith("gpu_check: could not start: tests/ does not collect"), log
+    assert "tests/test_unguarded.py" in last, log
+    assert done.returncode == NOT_STARTED, log
+
+
+def test_the_measured_kernel_is_among_the_dozen_the_kernel_tests_compile():
+    """What the check's Triton compiles cost (``tests/kernel_keys.py``): every
+    case of the kernel's CUDA tests is one compile, no more, and every mode of
+    the sweep launches one kernel, which those tests compile too."""
+    pytest.importorskip("triton")
+    from tests import kernel_keys
+    from tests.test_write_kernel_cuda import CUDA_CASES
+
+    tested = kernel_keys.KernelKeys()
+    kernel_keys.kernel_test_launches(tested)
+    assert len(tested.compiles) == len(CUDA_CASES) == 12
+    measured = kernel_keys.KernelKeys()
+    with kernel_keys.recording(measured):
+        kernel_keys.sweep_launches(
+            ["--sizes", "1", "3", "600", "--capture-sizes", "1", "4"]
+        )
+    assert len(measured.compiles) == 1
+    assert measured.compiles.keys() <= tested.compiles.keys()
