@@ -190,6 +190,8 @@ def test_data_parallel_steps_use_this_ranks_count(model_dir, monkeypatch):
         # Never given: the line says how to switch graphs on, and does not
         # claim a value the user never wrote.
         (CUDAGraphMode.FULL, {}, 'add "cudagraph": true'),
+        # Other keys given, 'cudagraph' not: still the default, not a choice.
+        (CUDAGraphMode.FULL, {"cudagraph_backend": "emulated"}, 'add "cudagraph"'),
         (
             CUDAGraphMode.FULL,
             {**GRAPH_KEYS, "enforce_eager": True},

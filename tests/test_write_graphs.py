@@ -147,6 +147,23 @@ def test_in_place_check_wants_the_captured_views():
     assert rig.graphs.run(aux, slots.clone(), 16) == "copy_in"
 
 
+def test_a_view_as_another_dtype_is_not_the_captured_view():
+    """The target's bf16 buffers read as fp16: same address, shape and
+    stride as the captured views, other values. The zero-copy graph would
+    read them as bf16; the copy-in path converts them, as vLLM's write does."""
+    rig = Rig("emulated", "cpu", torch.bfloat16)
+    aux, slots = rig.inputs(16, torch.Generator().manual_seed(7), in_place=True)
+    as_fp16 = [a.view(torch.float16) for a in aux]
+    assert all(
+        (h.data_ptr(), h.shape, h.stride()) == (a.data_ptr(), a.shape, a.stride())
+        for h, a in zip(as_fp16, aux, strict=True)
+    )
+    converted = torch.stack(as_fp16, dim=1).to(torch.bfloat16)
+    write_stacked(converted, rig.reference, slots)
+    assert rig.graphs.run(as_fp16, slots, 16) == "copy_in"
+    assert rig.same()
+
+
 def test_zero_copy_capture_writes_no_live_slot():
     """The target's slot row may still hold the last step's slots when we
     capture; warm-up and capture run the write over it. They must write to
