@@ -477,6 +477,7 @@ HEADER = ",".join(gate.RULE_COLUMNS)
         ("p50_us,*,*,*,baseline,lower,-1,x", "limit '-1' is not a number >= 0"),
         ("p50_us,*,*,*,baseline,lower,ten,x", "limit 'ten' is not a number >= 0"),
         ("p50_us,*,*,*,baseline,lower,nan,x", "limit 'nan' is not a number >= 0"),
+        ("p50_us,*,*,*,baseline,lower,inf,x", "limit 'inf' is not a number >= 0"),
         ("p50_us,*,*,lots,baseline,lower,1,x", "tokens 'lots'"),
         ("p50_us,*,eagerr,*,run,lower,1,x", "mode 'eagerr' is not one the sweep has"),
         ("p50_us,*,!upstreem,*,run,lower,1,x", "mode '!upstreem' is not one"),

@@ -259,6 +259,14 @@ def test_bad_input_fails_when_config_is_built(model_dir, keys, message):
         build_vllm_config(model_dir, **keys)
 
 
+def test_capture_sizes_up_to_max_num_batched_tokens_are_accepted(model_dir):
+    """The bound is inclusive: a graph for a full batch is a valid size."""
+    cfg = build_vllm_config(
+        model_dir, max_num_batched_tokens=512, cudagraph_capture_sizes=[8, 512]
+    )
+    assert ExtractGraphConfig.from_vllm_config(cfg).cudagraph_capture_sizes == (8, 512)
+
+
 def test_bad_input_fails_on_the_cli_too(model_dir):
     with pytest.raises(ValueError, match="did you mean 'cudagraph'"):
         cli_config(model_dir, EngineArgs, speculative_config([1], cudagraphs=True))
