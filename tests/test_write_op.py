@@ -207,6 +207,10 @@ def small_case(device="cpu", **overrides):
             lambda a: {"kv_cache": a["kv_cache"][0]},
             r"kv_cache has shape \[3, 16, 8\]",
         ),
+        (  # meta stands for another device (a CPU slot row for a CUDA cache)
+            lambda a: {"slot_mapping": a["slot_mapping"].to("meta")},
+            r"slot_mapping is on meta, kv_cache on cpu",
+        ),
     ],
 )
 def test_bad_arguments_name_what_is_wrong(overrides, message):
