@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 
 from cg_extract import cache_write, write_op
-from cg_extract.cache_write import write_per_layer
+from cg_extract.cache_write import write_per_layer, write_stacked
 from cg_extract.cudagraph_manager import CudaGraphManager
 from cg_extract.emulated_graph import StaticMemoryViolation
 from cg_extract.write_op import write_hidden_states
@@ -163,6 +163,30 @@ def test_up_to_4_tokens_copy_rows_above_that_scatter(num_tokens, body):
     else:
         assert ops.count("index_put_") == 3 and "copy_" not in ops, ops
     assert same_bytes(cache, case.expected())
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["write_stacked", "per_layer"])
+def test_the_reference_writes_are_vllms_padding_included(stacked):
+    """write_stacked and write_per_layer (the sweep's references and its
+    per_layer mode) store what vLLM's basic_cache stores, padding rows in the
+    null block 0 included. One padding row: which of several landing on the
+    same slot wins is up to the scatter."""
+    basic_cache = pytest.importorskip(
+        "vllm.model_executor.models.extract_hidden_states"
+    ).basic_cache
+    case = write_case(
+        torch.Generator().manual_seed(3), 20, 3, 64, torch.bfloat16, "separate",
+        [19], null_block=True,
+    )  # fmt: skip
+    vllm = case.fresh_cache()
+    basic_cache(torch.stack(case.aux, dim=1), vllm, case.slots)
+    ours = case.fresh_cache()
+    if stacked:
+        write_stacked(torch.stack(case.aux, dim=1), ours, case.slots)
+    else:
+        write_per_layer(case.aux, ours, case.slots)
+    assert same_bytes(ours, vllm)
+    assert not same_bytes(vllm[0], case.initial[0]), "padding went to block 0"
 
 
 def test_same_bytes_as_the_per_layer_write_on_real_slots():
