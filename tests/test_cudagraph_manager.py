@@ -206,9 +206,17 @@ def test_release_forgets_every_graph():
     manager = emulated()
     manager.capture(lambda n: None)
     assert manager.padded_size(3) == 4
+    assert manager.capture_time_s > 0 and sorted(manager.capture_times_s) == [
+        1,
+        2,
+        4,
+        8,
+    ]
     manager.release()
     assert manager.captured_sizes == []
+    # What the captures cost goes with them.
     assert manager.graph_memory_bytes == 0
+    assert manager.capture_time_s == 0 and manager.capture_times_s == {}
     assert all(manager.padded_size(n) is None for n in range(0, 10))
     with pytest.raises(GraphCaptureError, match="no graph for 3 tokens"):
         manager.replay(3)
