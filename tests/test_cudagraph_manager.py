@@ -448,6 +448,7 @@ SYNCING_STEPS = {
     "nonzero": lambda x, m: m.nonzero(),
     "where_one_arg": lambda x, m: torch.where(m),
     "mask_index": lambda x, m: x[m],
+    "uint8_mask_index": lambda x, m: x[m.to(torch.uint8)],  # deprecated, still a mask
     "masked_select": lambda x, m: torch.masked_select(x, m),
     "unique": lambda x, m: torch.unique(x),
     "unique_dim": lambda x, m: torch.unique(x, dim=0),
