@@ -124,6 +124,8 @@ def test_real_or_emulated_graph_memory_and_time_reported(backend, device):
     assert rig.graphs.captured_sizes == list(SIZES.sizes)
     rig.graphs.release()
     assert rig.graphs.captured_sizes == [] and rig.graphs.zero_copy_sizes == []
+    # Nothing left to replay: every step runs eagerly.
+    assert all(rig.graphs.padded_size(n) is None for n in range(1, SIZES.max_size + 1))
 
 
 def test_emulator_rejects_zero_copy_over_other_memory(monkeypatch):
@@ -180,6 +182,18 @@ def test_zero_copy_capture_writes_no_live_slot():
     graphs.capture(persistent, SIZES.sizes, progress=False)
     assert graphs.zero_copy_sizes == list(SIZES.sizes)
     assert not cache[1:].any(), "capture overwrote slots a request owns"
+
+
+def test_zero_copy_sizes_above_the_persistent_rows_are_refused():
+    persistent = GraphInputs(
+        [torch.zeros(16, HIDDEN) for _ in range(LAYERS)], torch.full((16,), -1)
+    )
+    graphs = WriteGraphs(
+        SIZES, torch.device("cpu"), "emulated", LAYERS, HIDDEN, torch.float32,
+        write=lambda aux, slots: None,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"zero-copy sizes \[24\] exceed .* 16 rows"):
+        graphs.capture(persistent, [8, 16, 24], progress=False)
 
 
 def test_static_buffers_and_emulated_graph_memory_are_counted_exactly():
