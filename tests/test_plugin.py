@@ -98,7 +98,7 @@ def test_defaults_when_keys_absent(model_dir):
 @pytest.mark.parametrize(
     "keys",
     [
-        {"cudagraph_backend": "emulated"},
+        {"cudagraph": True},
         {"cudagraph_capture_sizes": [1, 2, 4], "cudagraph": False},
     ],
 )
