@@ -158,6 +158,7 @@ class CudaGraphManager:
 
     def release(self) -> None:
         self._graphs.clear()
+        self.capture_time_s = 0.0
         self.capture_times_s.clear()
         self.graph_memory_bytes = 0
 

@@ -116,6 +116,7 @@ def test_split_moves_only_our_keys():
         ("enable_cudagraph", "cudagraph"),
         ("use_cuda_graph", "cudagraph"),
         ("cudagrpah", "cudagraph"),
+        ("backend", "cudagraph_backend"),  # half its words: just enough
     ],
 )
 def test_near_misses_of_our_keys_are_named(key, guess):

@@ -206,9 +206,17 @@ def test_release_forgets_every_graph():
     manager = emulated()
     manager.capture(lambda n: None)
     assert manager.padded_size(3) == 4
+    assert manager.capture_time_s > 0 and sorted(manager.capture_times_s) == [
+        1,
+        2,
+        4,
+        8,
+    ]
     manager.release()
     assert manager.captured_sizes == []
+    # What the captures cost goes with them.
     assert manager.graph_memory_bytes == 0
+    assert manager.capture_time_s == 0 and manager.capture_times_s == {}
     assert all(manager.padded_size(n) is None for n in range(0, 10))
     with pytest.raises(GraphCaptureError, match="no graph for 3 tokens"):
         manager.replay(3)
@@ -440,6 +448,7 @@ SYNCING_STEPS = {
     "nonzero": lambda x, m: m.nonzero(),
     "where_one_arg": lambda x, m: torch.where(m),
     "mask_index": lambda x, m: x[m],
+    "uint8_mask_index": lambda x, m: x[m.to(torch.uint8)],  # deprecated, still a mask
     "masked_select": lambda x, m: torch.masked_select(x, m),
     "unique": lambda x, m: torch.unique(x),
     "unique_dim": lambda x, m: torch.unique(x, dim=0),

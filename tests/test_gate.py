@@ -189,6 +189,61 @@ def test_both_committed_runs_hold_the_floors_and_a_2x_slower_eager_fails(
     assert failed_sizes >= set(zip(small["engine"], small["num_tokens"], strict=True))
 
 
+def on_the_floor(frame: pd.DataFrame, mode: str, metric: str, value: float):
+    """Every row of ``mode`` with ``metric`` set to ``value``, as a run of
+    another CPU model (so only the floors and the counts are checked)."""
+    frame = frame.assign(device_name="AMD EPYC (2 cores)")
+    frame.loc[rows(frame, mode), metric] = value
+    return frame
+
+
+@pytest.mark.parametrize(
+    ("mode", "metric", "value", "passes"),
+    [
+        # The floors as perf/README.md states them: eager at least 0.9x
+        # upstream, and eager p50 / per_layer p50 at most 1/0.9 = 1.111.
+        ("eager", "speedup_vs_upstream", 0.9, True),  # on the bound: holds
+        ("eager", "speedup_vs_upstream", 0.899, False),
+        ("per_layer", "speedup_vs_eager", 1.111, True),
+        ("per_layer", "speedup_vs_eager", 1.112, False),
+        ("per_layer", "speedup_vs_eager", 1.3, False),  # 30 % slower than per_layer
+    ],
+)
+def test_a_figure_on_its_floor_passes_and_just_past_it_fails(
+    tmp_path, capsys, mode, metric, value, passes
+):
+    run = pd.read_csv(OWN)  # the baseline with per_layer rows
+    cur = on_the_floor(run, mode, metric, value)
+    base = run.assign(device_name="AMD EPYC (2 cores)")
+    assert run_gate(tmp_path, base, cur) == (gate.PASS if passes else gate.FAIL)
+    out = capsys.readouterr().out
+    assert (mode, metric) in checked(out)
+    assert failed(out) == (set() if passes else {(mode, metric)})
+
+
+def test_a_token_range_includes_both_ends(tmp_path, capsys):
+    """``N-M`` gates rows of N and of M tokens, none outside; ``N`` only N."""
+    (tmp_path / "rules.csv").write_text(
+        f"{HEADER}\n"
+        "speedup_vs_upstream,speculator,eager,8-100,run,higher,100,x\n"
+        "speedup_vs_upstream,kernel,eager,3,run,higher,100,x\n"
+    )
+    frame = real_run()
+    assert run_gate(tmp_path, frame, frame) == gate.FAIL
+    out = capsys.readouterr().out
+    gated = {
+        (line.split()[0], int(line.split()[2]))
+        for line in out.splitlines()
+        if line.endswith(" FAIL")
+    }
+    assert gated == {
+        ("speculator", 8),
+        ("speculator", 32),
+        ("speculator", 100),
+        ("kernel", 3),
+    }
+
+
 # --------------------------------------------------------------------------
 # Any baseline: correctness and counts
 
@@ -213,6 +268,10 @@ def lost_correctness_check(frame):
     frame.loc[rows(frame, "eager", 8), "bit_exact"] = None
 
 
+def lost_a_count(frame):
+    frame.loc[rows(frame, "eager", 8), "ops_per_step"] = math.nan
+
+
 @pytest.mark.parametrize("machine", [HERE, OTHER_CPU])
 @pytest.mark.parametrize(
     ("regress", "metric"),
@@ -222,6 +281,7 @@ def lost_correctness_check(frame):
         (a_replayed_op, "replayed_ops_per_step"),
         (not_bit_exact, "bit_exact"),
         (lost_correctness_check, "bit_exact"),
+        (lost_a_count, "ops_per_step"),  # the baseline has it, the run not
     ],
 )
 def test_each_deterministic_regression_fails_on_any_machine(
@@ -422,6 +482,7 @@ HEADER = ",".join(gate.RULE_COLUMNS)
         ("p50_us,*,*,*,baseline,lower,-1,x", "limit '-1' is not a number >= 0"),
         ("p50_us,*,*,*,baseline,lower,ten,x", "limit 'ten' is not a number >= 0"),
         ("p50_us,*,*,*,baseline,lower,nan,x", "limit 'nan' is not a number >= 0"),
+        ("p50_us,*,*,*,baseline,lower,inf,x", "limit 'inf' is not a number >= 0"),
         ("p50_us,*,*,lots,baseline,lower,1,x", "tokens 'lots'"),
         ("p50_us,*,eagerr,*,run,lower,1,x", "mode 'eagerr' is not one the sweep has"),
         ("p50_us,*,!upstreem,*,run,lower,1,x", "mode '!upstreem' is not one"),

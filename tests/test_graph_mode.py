@@ -282,3 +282,25 @@ def test_a_backend_chosen_by_someone_else_is_kept_and_named(runners, cg_extract_
     finally:
         layer.attn_backend = ExtractCacheBackend
     assert any(other.__name__ in m and "may lower" in m for m in cg_extract_log)
+
+
+def test_a_layer_of_another_class_is_refused(runners):
+    """Only vLLM's cache-only layer gets our backend: a target attention
+    layer handed in by mistake is refused, its backend untouched."""
+    from vllm.model_executor.models.extract_hidden_states import (
+        CacheOnlyAttentionLayer,
+    )
+
+    from cg_extract.cache_backend import report_graph_support
+
+    runner = runners["flash_attn", "ours"]
+    (name, layer) = next(
+        (name, layer)
+        for name, layer in runner.forward_context.items()
+        if name != runner.speculator.layer_name
+    )
+    assert not isinstance(layer, CacheOnlyAttentionLayer)
+    backend = layer.attn_backend
+    with pytest.raises(TypeError, match=f"got {type(layer).__name__}"):
+        report_graph_support(layer)
+    assert layer.attn_backend is backend, name

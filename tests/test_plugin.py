@@ -95,6 +95,20 @@ def test_defaults_when_keys_absent(model_dir):
     assert ExtractGraphConfig.from_vllm_config(cfg) == ExtractGraphConfig()
 
 
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"cudagraph": True},
+        {"cudagraph_capture_sizes": [1, 2, 4], "cudagraph": False},
+    ],
+)
+def test_workers_get_only_the_keys_given(model_dir, keys):
+    """A default the user never wrote is not sent as a choice: workers say
+    "'cudagraph' is false" only to one who wrote it."""
+    cfg = build_vllm_config(model_dir, **keys)
+    assert cfg.additional_config["cg_extract"] == keys
+
+
 def test_keys_survive_pickling_to_workers(model_dir):
     cfg = build_vllm_config(model_dir, **OURS)
     assert (
@@ -243,6 +257,14 @@ BAD_INPUTS = [
 def test_bad_input_fails_when_config_is_built(model_dir, keys, message):
     with pytest.raises(ValueError, match=message):
         build_vllm_config(model_dir, **keys)
+
+
+def test_capture_sizes_up_to_max_num_batched_tokens_are_accepted(model_dir):
+    """The bound is inclusive: a graph for a full batch is a valid size."""
+    cfg = build_vllm_config(
+        model_dir, max_num_batched_tokens=512, cudagraph_capture_sizes=[8, 512]
+    )
+    assert ExtractGraphConfig.from_vllm_config(cfg).cudagraph_capture_sizes == (8, 512)
 
 
 def test_bad_input_fails_on_the_cli_too(model_dir):
@@ -474,7 +496,7 @@ def test_target_graph_outputs_are_published_after_the_targets_capture(monkeypatc
             (CUDAGraphMode.FULL, (8, 4, 4, 2)),
         )
     }
-    buffers = [torch.zeros(8, 4) for _ in range(3)]
+    buffers = []
 
     def base_capture(self, create_forward_fn, progress_bar_desc):
         assert target_buffers.get("cpu") is None, "published too early"
@@ -482,6 +504,13 @@ def test_target_graph_outputs_are_published_after_the_targets_capture(monkeypatc
 
     monkeypatch.setattr(CudaGraphManager, "capture", base_capture)
     assert ModelCudaGraphManager.capture._cg_extract
+    # A target captured without aux outputs (use_aux_hidden_state_outputs
+    # false) keeps vLLM's empty list: nothing to read, nothing published.
+    ModelCudaGraphManager.capture(manager, *[None] * 7)
+    assert manager.aux_hidden_states == []
+    assert target_buffers.get("cpu") is None
+    target_buffers.clear()
+    buffers = [torch.zeros(8, 4) for _ in range(3)]
     ModelCudaGraphManager.capture(
         manager,
         None,

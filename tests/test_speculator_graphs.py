@@ -220,6 +220,21 @@ def test_no_graphs_and_why(model_dir, mode, keys, reason):
     assert loaded.speculator.cudagraph_stats()["eager_steps"] == 1
 
 
+def test_graph_keys_without_cudagraph_are_not_called_a_choice(model_dir):
+    """A config that reaches the worker with some of our keys but not
+    'cudagraph' (built without EngineArgs, which the worker re-checks):
+    graphs are off by default, not "'cudagraph' is false"."""
+    cfg = build_vllm_config(model_dir)
+    cfg.additional_config = {
+        **(cfg.additional_config or {}),
+        "cg_extract": {"cudagraph_backend": "emulated"},
+    }
+    loaded = load_speculator(ExtractHiddenStatesSpeculator, cfg)
+    backend, why = loaded.speculator._graph_backend(CUDAGraphMode.FULL)
+    assert backend is None and 'add "cudagraph": true' in why
+    assert "'cudagraph' is false" not in why
+
+
 @pytest.mark.parametrize(
     "mode",
     [

@@ -124,6 +124,8 @@ def test_real_or_emulated_graph_memory_and_time_reported(backend, device):
     assert rig.graphs.captured_sizes == list(SIZES.sizes)
     rig.graphs.release()
     assert rig.graphs.captured_sizes == [] and rig.graphs.zero_copy_sizes == []
+    # Nothing left to replay: every step runs eagerly.
+    assert all(rig.graphs.padded_size(n) is None for n in range(1, SIZES.max_size + 1))
 
 
 def test_emulator_rejects_zero_copy_over_other_memory(monkeypatch):
@@ -147,6 +149,23 @@ def test_in_place_check_wants_the_captured_views():
     assert rig.graphs.run(aux, slots.clone(), 16) == "copy_in"
 
 
+def test_a_view_as_another_dtype_is_not_the_captured_view():
+    """The target's bf16 buffers read as fp16: same address, shape and
+    stride as the captured views, other values. The zero-copy graph would
+    read them as bf16; the copy-in path converts them, as vLLM's write does."""
+    rig = Rig("emulated", "cpu", torch.bfloat16)
+    aux, slots = rig.inputs(16, torch.Generator().manual_seed(7), in_place=True)
+    as_fp16 = [a.view(torch.float16) for a in aux]
+    assert all(
+        (h.data_ptr(), h.shape, h.stride()) == (a.data_ptr(), a.shape, a.stride())
+        for h, a in zip(as_fp16, aux, strict=True)
+    )
+    converted = torch.stack(as_fp16, dim=1).to(torch.bfloat16)
+    write_stacked(converted, rig.reference, slots)
+    assert rig.graphs.run(as_fp16, slots, 16) == "copy_in"
+    assert rig.same()
+
+
 def test_zero_copy_capture_writes_no_live_slot():
     """The target's slot row may still hold the last step's slots when we
     capture; warm-up and capture run the write over it. They must write to
@@ -163,6 +182,18 @@ def test_zero_copy_capture_writes_no_live_slot():
     graphs.capture(persistent, SIZES.sizes, progress=False)
     assert graphs.zero_copy_sizes == list(SIZES.sizes)
     assert not cache[1:].any(), "capture overwrote slots a request owns"
+
+
+def test_zero_copy_sizes_above_the_persistent_rows_are_refused():
+    persistent = GraphInputs(
+        [torch.zeros(16, HIDDEN) for _ in range(LAYERS)], torch.full((16,), -1)
+    )
+    graphs = WriteGraphs(
+        SIZES, torch.device("cpu"), "emulated", LAYERS, HIDDEN, torch.float32,
+        write=lambda aux, slots: None,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"zero-copy sizes \[24\] exceed .* 16 rows"):
+        graphs.capture(persistent, [8, 16, 24], progress=False)
 
 
 def test_static_buffers_and_emulated_graph_memory_are_counted_exactly():

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 
 from cg_extract import cache_write, write_op
-from cg_extract.cache_write import write_per_layer
+from cg_extract.cache_write import write_per_layer, write_stacked
 from cg_extract.cudagraph_manager import CudaGraphManager
 from cg_extract.emulated_graph import StaticMemoryViolation
 from cg_extract.write_op import write_hidden_states
@@ -114,6 +114,10 @@ def test_a_cache_with_gaps_between_its_blocks(num_tokens):
     assert not wide[:, :, 16:].any()
 
 
+# The words a row may move as, widest first: 16, 8 and 4 bytes.
+WIDEST_FIRST = (torch.complex128, torch.int64, torch.int32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden_size", [1, 7, 8, 16, 1024])
 def test_rows_move_as_the_widest_words_that_tile_them(dtype, hidden_size):
@@ -124,15 +128,65 @@ def test_rows_move_as_the_widest_words_that_tile_them(dtype, hidden_size):
     itemsize = cache.element_size()
     tiling = [
         word
-        for size, word in cache_write._WORDS
-        if size > itemsize and hidden_size * itemsize % size == 0
+        for word in WIDEST_FIRST
+        if word.itemsize > itemsize and hidden_size * itemsize % word.itemsize == 0
     ]
     want = tiling[0] if tiling else dtype
+    if dtype is torch.bfloat16 and hidden_size == 1024:  # a 2 KiB row
+        assert want is torch.complex128
     words, (hidden, _) = cache_write._as_words(cache, aux)
     assert words.dtype == hidden.dtype == want
     assert words.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
     strided = torch.zeros(5, 2 * hidden_size, dtype=dtype)[:, ::2]
     assert cache_write._as_words(cache, [strided, aux[1]])[0].dtype == dtype
+
+
+@pytest.mark.parametrize(
+    "num_tokens, body",
+    [(1, "copy"), (4, "copy"), (5, "scatter"), (40, "scatter")],
+)
+def test_up_to_4_tokens_copy_rows_above_that_scatter(num_tokens, body):
+    """The CPU body's choice, seen in the ops it dispatches (the bytes are
+    the same either way): one row copy per owned token up to 4 tokens, the
+    crossover perf/write_op_cost.py measured; one scatter per layer above."""
+    case = write_case(
+        torch.Generator().manual_seed(num_tokens), num_tokens, 3, 64,
+        torch.bfloat16, "separate", [0],
+    )  # fmt: skip
+    cache = case.fresh_cache()
+    count = count_step(
+        lambda: cache_write.write_owned_slots(case.aux, cache, case.slots)
+    )
+    ops = [op.name.split(".")[1] for op in count.dispatched]
+    if body == "copy":
+        assert "index_put_" not in ops and ops.count("copy_") == num_tokens - 1, ops
+    else:
+        assert ops.count("index_put_") == 3 and "copy_" not in ops, ops
+    assert same_bytes(cache, case.expected())
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["write_stacked", "per_layer"])
+def test_the_reference_writes_are_vllms_padding_included(stacked):
+    """write_stacked and write_per_layer (the sweep's references and its
+    per_layer mode) store what vLLM's basic_cache stores, padding rows in the
+    null block 0 included. One padding row: which of several landing on the
+    same slot wins is up to the scatter."""
+    basic_cache = pytest.importorskip(
+        "vllm.model_executor.models.extract_hidden_states"
+    ).basic_cache
+    case = write_case(
+        torch.Generator().manual_seed(3), 20, 3, 64, torch.bfloat16, "separate",
+        [19], null_block=True,
+    )  # fmt: skip
+    vllm = case.fresh_cache()
+    basic_cache(torch.stack(case.aux, dim=1), vllm, case.slots)
+    ours = case.fresh_cache()
+    if stacked:
+        write_stacked(torch.stack(case.aux, dim=1), ours, case.slots)
+    else:
+        write_per_layer(case.aux, ours, case.slots)
+    assert same_bytes(ours, vllm)
+    assert not same_bytes(vllm[0], case.initial[0]), "padding went to block 0"
 
 
 def test_same_bytes_as_the_per_layer_write_on_real_slots():
@@ -176,6 +230,10 @@ def small_case(device="cpu", **overrides):
         (
             lambda a: {"kv_cache": a["kv_cache"][0]},
             r"kv_cache has shape \[3, 16, 8\]",
+        ),
+        (  # meta stands for another device (a CPU slot row for a CUDA cache)
+            lambda a: {"slot_mapping": a["slot_mapping"].to("meta")},
+            r"slot_mapping is on meta, kv_cache on cpu",
         ),
     ],
 )

@@ -106,7 +106,9 @@ def test_other_views_take_the_copy_in_path(model_dir):
     stats = ours.speculator.cudagraph_stats()
     assert (stats["zero_copy_replays"], stats["copy_in_replays"]) == (0, 3)
     ours.speculator.propose(**make_step_inputs(ours, 16, gen, target=target).kwargs)
-    assert ours.speculator.cudagraph_stats()["zero_copy_replays"] == 1
+    stats = ours.speculator.cudagraph_stats()
+    assert stats["zero_copy_replays"] == 1
+    assert stats["replays"] == 4, "every replay counts, zero-copy ones too"
 
 
 def test_emulator_catches_a_zero_copy_replay_of_a_stale_buffer(model_dir, monkeypatch):
@@ -199,3 +201,15 @@ def test_target_buffers_of_another_dtype_fall_back_to_copy_in(model_dir):
         loaded.speculator.propose(**our_in.kwargs)
         assert same_cache(reference, loaded)
     assert loaded.speculator.cudagraph_stats()["copy_in_replays"] == 3
+
+
+def test_release_graphs_empties_the_graphs_a_caller_still_holds(model_dir):
+    """Elastic EP's release (``release_graphs()``): whoever still holds the
+    write graphs (a stats reader) holds no graph and no view of the target's
+    buffers any more."""
+    ours, _ = zero_copy_speculator(model_dir)
+    held = ours.speculator.graphs
+    assert held.captured_sizes == SIZES and held.zero_copy_sizes == SIZES
+    ours.speculator.cudagraph_manager.release_graphs()
+    assert ours.speculator.graphs is None
+    assert held.captured_sizes == [] and held.zero_copy_sizes == []
