@@ -22,6 +22,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vllm import LLM
+from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+from tests.generate_scenarios import Run
 from tests.model_families import FAMILIES, family_config, write_family_dir
 from tests.real_engine import WAYS, EngineRun, engine_env, engine_kwargs
 
@@ -60,29 +64,13 @@ def kv_cache_groups(llm) -> list[dict[str, Any]]:
 
 
 def run_family(way: str, family: str, workdir: Path) -> dict[str, Any]:
-    from vllm import LLM
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    from tests.generate_scenarios import SCENARIOS, Run
-
     model_dir = write_family_dir(workdir / family / "model", family)
     storage = workdir / family / way
     overrides = {"dtype": family_dtype(family), **FAMILY_ENGINE.get(family, {})}
     llm = LLM(**engine_kwargs(way, model_dir, storage, **overrides))
     try:
-        run = Run(llm, storage)
-        results: dict[str, Any] = {"kv_cache_groups": kv_cache_groups(llm)}
-        for name in FAMILY_SCENARIOS[family]:
-            before = run.stats()
-            requests, evidence = SCENARIOS[name](run)
-            run.flush(requests)
-            results[name] = {
-                "requests": requests,
-                "evidence": evidence,
-                "stats_before": before,
-                "stats_after": run.stats(),
-            }
-        return results
+        results = Run(llm, storage).run_scenarios(FAMILY_SCENARIOS[family])
+        return {"kv_cache_groups": kv_cache_groups(llm), **results}
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
