@@ -106,6 +106,22 @@ class Run:
             for o in outputs
         ]
 
+    def run_scenarios(self, names: list[str]) -> dict[str, Any]:
+        """Each scenario in turn: its requests (once their files are saved),
+        its evidence, the speculator's stats before and after it."""
+        results = {}
+        for name in names:
+            before = self.stats()
+            requests, evidence = SCENARIOS[name](self)
+            self.flush(requests)
+            results[name] = {
+                "requests": requests,
+                "evidence": evidence,
+                "stats_before": before,
+                "stats_after": self.stats(),
+            }
+        return results
+
     def flush(self, requests: list[dict[str, Any]]) -> None:
         """Step until every request's file is written and unlocked: the
         scheduler hands a finished request's save to the worker one step
@@ -274,18 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             load_format=args.load_format,
         )
     )
-    run = Run(llm, args.storage)
-    results = {}
-    for name in args.scenarios:
-        before = run.stats()
-        requests, evidence = SCENARIOS[name](run)
-        run.flush(requests)
-        results[name] = {
-            "requests": requests,
-            "evidence": evidence,
-            "stats_before": before,
-            "stats_after": run.stats(),
-        }
+    results = Run(llm, args.storage).run_scenarios(args.scenarios)
     args.out.write_text(json.dumps(results, indent=1))
     if args.caches:
         torch.save(llm.collective_rpc("hidden_state_cache"), args.caches)

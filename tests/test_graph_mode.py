@@ -13,7 +13,10 @@ The one stand-in: CUDA attention backends cannot exist on a CPU, so the
 target's layers get a subclass of their CPU backend whose builder reports the
 support level of FlashAttention (``UNIFORM_BATCH``) or of a backend with
 ``ALWAYS`` (FlashInfer's level with its TRT-LLM kernels, Triton attention);
-everything else about them is the CPU backend's.
+everything else about them is the CPU backend's. Besides the tiny Llama, the
+hybrid and MLA families (:mod:`tests.model_families`) resolve through their own
+groups (mamba groups, attention blocks sized to the mamba page, MLA), each
+layer's stand-in reporting what the CUDA backend it gets in vLLM 0.33 reports.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from perf.harness import (
     make_step_inputs,
     single_process_parallel_state,
 )
+from tests.model_families import family_config, write_family_dir
 
 CPU = torch.device("cpu")
 SIZES = [1, 2, 4, 8, 16]
@@ -55,6 +59,35 @@ REQUESTED = [
 TARGET_SUPPORT = {
     "flash_attn": AttentionCGSupport.UNIFORM_BATCH,
     "always": AttentionCGSupport.ALWAYS,
+}
+# Per family and GPU: each target layer's KV-cache spec -> the support level
+# the metadata builder of the CUDA backend that layer gets reports in vLLM
+# 0.33 (files under vllm/ of the 0.33.0 wheel).
+FAMILY_TARGETS = {
+    # Hopper. Gated delta net layers: GDNAttentionMetadataBuilder,
+    # v1/attention/backends/gdn_attn.py:136, UNIFORM_BATCH. Gated attention:
+    # FlashAttention 3, v1/attention/backends/flash_attn.py:619, ALWAYS.
+    "qwen3_next": (
+        "qwen3_next",
+        {
+            "MambaSpec": AttentionCGSupport.UNIFORM_BATCH,
+            "FullAttentionSpec": AttentionCGSupport.ALWAYS,
+        },
+    ),
+    # Hopper: FLASH_ATTN_MLA leads the SM90 MLA list (platforms/cuda.py:150);
+    # FlashAttnMLAMetadataBuilder, v1/attention/backends/mla/flashattn_mla.py
+    # :127, UNIFORM_BATCH.
+    "deepseek_v2_sm90": (
+        "deepseek_v2",
+        {"MLAAttentionSpec": AttentionCGSupport.UNIFORM_BATCH},
+    ),
+    # Blackwell: FLASHINFER_MLA leads the SM100 list (platforms/cuda.py:123);
+    # FlashInferMLAMetadataBuilder, v1/attention/backends/mla/flashinfer_mla.py
+    # :140, ALWAYS.
+    "deepseek_v2_sm100": (
+        "deepseek_v2",
+        {"MLAAttentionSpec": AttentionCGSupport.ALWAYS},
+    ),
 }
 
 
@@ -73,13 +106,36 @@ def with_cg_support(backend: type, support: AttentionCGSupport) -> type:
     )
 
 
+def with_expert_parallel_group(cfg) -> None:
+    """A world of one (``single_process_parallel_state``) with the expert
+    parallel group a MoE model's layers ask for: vLLM makes that group only
+    when the config it initialises under is a MoE one, and the Llama's came
+    first."""
+    from vllm.distributed import parallel_state
+
+    single_process_parallel_state()
+    if cfg.model_config.is_moe and parallel_state._EP is None:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, 1)
+
+
 class Runner:
     """What MRv2's ``initialize_kv_cache`` has when it resolves the mode: the
     attention groups of the target and the draft, built by vLLM."""
 
-    def __init__(self, speculator_cls: type, model_dir, support: AttentionCGSupport):
+    def __init__(
+        self,
+        speculator_cls: type,
+        model_dir,
+        support: AttentionCGSupport | dict[str, AttentionCGSupport],
+        dtype: str = "float32",
+    ):
+        from vllm.config import get_layers_from_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.utils import (
             get_current_attn_backends,
+        )
+        from vllm.model_executor.layers.attention_layer_base import (
+            AttentionLayerBase,
         )
         from vllm.model_executor.model_loader import get_model
         from vllm.v1.attention.backends.utils import (
@@ -90,20 +146,30 @@ class Runner:
         from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
         from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec, init_attn_backend
 
-        cfg = build_vllm_config(model_dir, **emulated_graph_keys(SIZES))
+        cfg = build_vllm_config(model_dir, dtype=dtype, **emulated_graph_keys(SIZES))
         self.vllm_config = cfg
         with set_current_vllm_config(cfg), _cpu_safe_model_loading(CPU):
-            single_process_parallel_state()
+            with_expert_parallel_group(cfg)
             target = get_model(vllm_config=cfg)
             self.speculator = speculator_cls(cfg, CPU)
             self.speculator.load_model(target)
             forward_context = cfg.compilation_config.static_forward_context
-            self.target_layers = set(forward_context) - set(
+            # The layers with a KV cache (MoE layers are in the context too).
+            attn_layers = get_layers_from_vllm_config(cfg, AttentionLayerBase)
+            self.target_layers = set(attn_layers) - set(
                 self.speculator.draft_attn_layer_names
             )
             for name in self.target_layers:
-                layer = forward_context[name]
-                layer.attn_backend = with_cg_support(layer.attn_backend, support)
+                layer = attn_layers[name]
+                if isinstance(support, dict):  # by the layer's kind
+                    level = support[type(layer.get_kv_cache_spec(cfg)).__name__]
+                else:
+                    level = support
+                stand_in = with_cg_support(layer.get_attn_backend(), level)
+                if hasattr(layer, "attn_backend"):
+                    layer.attn_backend = stand_in
+                else:  # mamba layers name their backend by their type
+                    layer.get_attn_backend = lambda stand_in=stand_in: stand_in
             # The engine core's part: one layout for every backend, then the
             # KV-cache config from the layers' specs.
             specs = get_kv_cache_spec(cfg)
@@ -163,48 +229,121 @@ class Runner:
             return f"refused: {e}"
 
 
+# vLLM's KV-cache groups for each family's tiny config (on a CPU, as on a
+# GPU: get_kv_cache_configs): hybrid and MLA layouts next to the draft layer.
+FAMILY_GROUPS = {
+    "qwen3_next": ["MambaSpec"] * 3 + ["FullAttentionSpec", "HiddenStateCacheSpec"],
+    "deepseek_v2": ["UniformTypeKVCacheSpecs"],
+}
+
+SPECULATORS = (
+    ("ours", ExtractHiddenStatesSpeculator),
+    ("vllm", upstream_speculator_class()),
+)
+
+
 @pytest.fixture(scope="module")
-def runners(model_dir):
-    return {
+def runners(model_dir, tmp_path_factory):
+    built = {
         (name, kind): Runner(cls, model_dir, support)
         for name, support in TARGET_SUPPORT.items()
-        for kind, cls in (
-            ("ours", ExtractHiddenStatesSpeculator),
-            ("vllm", upstream_speculator_class()),
+        for kind, cls in SPECULATORS
+    }
+    for name, (family, support) in FAMILY_TARGETS.items():
+        family_dir = write_family_dir(tmp_path_factory.mktemp(name), family)
+        dtype = family_config(family)["torch_dtype"]
+        for kind, cls in SPECULATORS:
+            built[name, kind] = Runner(cls, family_dir, support, dtype)
+    return built
+
+
+def weakest(support) -> AttentionCGSupport:
+    levels = support.values() if isinstance(support, dict) else [support]
+    return min(levels, key=lambda level: level.value)
+
+
+def mode_table(ours: Runner, theirs: Runner) -> dict:
+    """requested -> (target alone, vLLM's speculator, ours), each resolved by
+    vLLM over that runner's groups (a refusal as its message)."""
+    return {
+        requested: (
+            ours.resolve(requested, ours.target_alone()),
+            theirs.resolve(requested, theirs.cg_support),
+            ours.resolve(requested, ours.cg_support),
         )
+        for requested in REQUESTED
     }
 
 
-@pytest.mark.parametrize("target", TARGET_SUPPORT)
+def print_table(title: str, table: dict) -> None:
+    print(f"\n{title}: requested | target alone | vLLM's speculator | ours")
+    for requested, row in table.items():
+        cells = (requested, *row)
+        print("  " + " | ".join(getattr(x, "name", str(x)) for x in cells))
+
+
+TARGETS = {
+    **TARGET_SUPPORT,
+    **{name: support for name, (_, support) in FAMILY_TARGETS.items()},
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_our_draft_layer_resolves_as_the_target_alone(runners, target):
     ours, theirs = runners[target, "ours"], runners[target, "vllm"]
     assert type(ours.draft_builder()) is ExtractCacheMetadataBuilder
     assert type(theirs.draft_builder()) is CacheOnlyAttentionMetadataBuilder
     assert ours.cg_support == ours.target_alone()
-    assert ours.cg_support.min_cg_support is TARGET_SUPPORT[target]
+    assert ours.cg_support.min_cg_support is weakest(TARGETS[target])
     assert theirs.cg_support.min_cg_support is AttentionCGSupport.NEVER
 
-    rows = []
-    for requested in REQUESTED:
-        alone = ours.resolve(requested, ours.target_alone())
-        got = ours.resolve(requested, ours.cg_support)
-        upstream = theirs.resolve(requested, theirs.cg_support)
-        rows.append((requested, alone, got, upstream))
+    table = mode_table(ours, theirs)
+    print_table(f"{target} target", table)
+    for requested, (alone, upstream, got) in table.items():
         assert got == alone, requested
         # vLLM's own speculator keeps no FULL graph in any requested mode.
         assert isinstance(upstream, str) or not upstream.has_full_cudagraphs()
-    print(f"\n{target} target: requested, target alone, ours, vLLM's speculator")
-    for row in rows:
-        print("  " + " | ".join(getattr(x, "name", str(x)) for x in row))
-    resolved = {requested: got for requested, _, got, _ in rows}
+    resolved = {requested: got for requested, (_, _, got) in table.items()}
     # The FULL decode graphs survive, which is the point.
     assert resolved[CUDAGraphMode.FULL_AND_PIECEWISE] == (
         CUDAGraphMode.FULL_AND_PIECEWISE
     )
     assert resolved[CUDAGraphMode.FULL_DECODE_ONLY] == CUDAGraphMode.FULL_DECODE_ONLY
     assert resolved[CUDAGraphMode.PIECEWISE] == CUDAGraphMode.PIECEWISE
-    if TARGET_SUPPORT[target] is AttentionCGSupport.ALWAYS:
+    if weakest(TARGETS[target]) is AttentionCGSupport.ALWAYS:
         assert resolved[CUDAGraphMode.FULL] == CUDAGraphMode.FULL
+
+
+@pytest.mark.parametrize("target", FAMILY_TARGETS)
+def test_each_family_resolves_from_its_own_groups(runners, target):
+    """vLLM built the family's own KV-cache groups and attention groups, and
+    each target layer's builder reports its stand-in's level."""
+    family, support = FAMILY_TARGETS[target]
+    runner = runners[target, "ours"]
+    specs = [
+        type(g.kv_cache_spec).__name__ for g in runner.kv_cache_config.kv_cache_groups
+    ]
+    print(f"\n{target}: KV-cache groups {specs}")
+    assert specs == FAMILY_GROUPS[family]
+    seen = set()
+    for groups in runner.attn_groups:
+        for group in groups:
+            layers = set(group.layer_names)
+            if layers == runner.speculator.draft_attn_layer_names:
+                continue
+            assert layers <= runner.target_layers
+            kinds = {
+                type(runner.forward_context[n].get_kv_cache_spec(runner.vllm_config))
+                for n in layers
+            }
+            (kind,) = {k.__name__ for k in kinds}
+            builder = group.get_metadata_builder(0)
+            level = builder.get_cudagraph_support(
+                runner.vllm_config, group.kv_cache_spec
+            )
+            assert level is support[kind], (target, kind)
+            seen.add(kind)
+    assert seen == set(support)
 
 
 def test_vllms_own_speculator_degrades_the_mode(runners):
@@ -219,7 +358,7 @@ def test_vllms_own_speculator_degrades_the_mode(runners):
     assert isinstance(refused, str) and "CacheOnlyAttentionBackend" in refused
 
 
-@pytest.mark.parametrize("target", TARGET_SUPPORT)
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("requested", REQUESTED)
 def test_we_capture_under_the_resolved_mode(runners, target, requested):
     """The mode vLLM resolved goes to ``init_cudagraph_manager``, as the runner

