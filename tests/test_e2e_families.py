@@ -49,19 +49,17 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import torch
 
-from tests.family_scenarios import FAMILY_SCENARIOS, family_dtype, family_run
-from tests.generate_scenarios import PREFIX
-from tests.model_families import FAMILIES, family_config
-from tests.real_engine import (
+from perf.cpu_engine import (
     AUX_LAYER_IDS,
     CAPTURE_SIZES,
     MAX_NUM_BATCHED_TOKENS,
     WAYS,
-    assert_same_saves,
     load_saved,
-    require_cpu_engine,
-    run_engines,
 )
+from tests.family_scenarios import FAMILY_SCENARIOS, family_dtype, family_run
+from tests.generate_scenarios import PREFIX
+from tests.model_families import FAMILIES, family_config
+from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
 
 pytestmark = pytest.mark.e2e
 
