@@ -229,8 +229,10 @@ class Runner:
             return f"refused: {e}"
 
 
-# vLLM's KV-cache groups for each family's tiny config (on a CPU, as on a
-# GPU: get_kv_cache_configs): hybrid and MLA layouts next to the draft layer.
+# The KV-cache groups get_kv_cache_configs makes here of each family's tiny
+# config, the draft layer's included: three mamba groups, the attention
+# group sized to their page and the hidden-state group beside them; MLA with
+# the draft layer in one group (both are MLA-type specs).
 FAMILY_GROUPS = {
     "qwen3_next": ["MambaSpec"] * 3 + ["FullAttentionSpec", "HiddenStateCacheSpec"],
     "deepseek_v2": ["UniformTypeKVCacheSpecs"],
