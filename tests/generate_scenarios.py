@@ -214,6 +214,18 @@ def server_prompts() -> list[list[int]]:
     return [tokens(rng, n) for n in (1, 5, 16, 31, 33, 64, 100, 200)]
 
 
+def short_client_prompts(run: Run):
+    """Short prompts, sent together after the others by
+    ``tests/test_e2e_data_parallel.py``: each server rank's share then fits
+    a graph."""
+    return run.generate(short_prompts(), params(1, with_outputs=False)), {}
+
+
+def short_prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    return [tokens(rng, n) for n in (1, 2, 3, 5, 6, 7, 9, 11)]
+
+
 SCENARIOS: dict[str, Callable[[Run], tuple[list[dict[str, Any]], dict]]] = {
     f.__name__: f
     for f in (
@@ -224,9 +236,11 @@ SCENARIOS: dict[str, Callable[[Run], tuple[list[dict[str, Any]], dict]]] = {
         aborted_mid_flight,
         many_prompt_lengths,
         client_prompts,
+        short_client_prompts,
     )
 }
-GENERATE_SCENARIOS = list(SCENARIOS)[:-1]  # what tests/test_e2e_generate.py runs
+# What tests/test_e2e_generate.py runs: all but the server tests' references.
+GENERATE_SCENARIOS = list(SCENARIOS)[:-2]
 
 
 @dataclass
