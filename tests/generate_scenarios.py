@@ -28,6 +28,10 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+from tests.cpu_hidden_states_connector import (
+    CPUHiddenStatesConnector,
+    kv_transfer_config,
+)
 from tests.real_engine import (
     MAX_NUM_BATCHED_TOKENS,
     WAYS,
@@ -243,6 +247,19 @@ SCENARIOS: dict[str, Callable[[Run], tuple[list[dict[str, Any]], dict]]] = {
 GENERATE_SCENARIOS = list(SCENARIOS)[:-2]
 
 
+CONNECTORS = ("example", "fp8")
+
+
+def connector_class(name: str) -> type:
+    """The CPU-saving connector ``--connector`` names (hs-connectors is
+    imported only when asked for)."""
+    if name == "fp8":
+        from tests.cpu_fp8_hidden_states_connector import CPUFP8HiddenStatesConnector
+
+        return CPUFP8HiddenStatesConnector
+    return CPUHiddenStatesConnector
+
+
 @dataclass
 class ScenarioRun:
     """This script run as ``name`` (one engine of ``way``) under ``workdir``."""
@@ -278,6 +295,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--caches", type=Path, help="torch.save each rank's hidden-state cache here"
     )
+    parser.add_argument(
+        "--connector",
+        choices=CONNECTORS,
+        default="example",
+        help="vLLM's ExampleHiddenStatesConnector or hs-connectors' FP8 one",
+    )
     args = parser.parse_args(argv)
     llm = LLM(
         **engine_kwargs(
@@ -286,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
             args.storage,
             tensor_parallel_size=args.tensor_parallel_size,
             load_format=args.load_format,
+            kv_transfer_config=kv_transfer_config(
+                args.storage, connector_class(args.connector)
+            ),
         )
     )
     run = Run(llm, args.storage)
