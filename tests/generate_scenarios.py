@@ -105,6 +105,7 @@ class Run:
                 "finish_reason": o.outputs[0].finish_reason,
                 "cached": o.num_cached_tokens or 0,
                 "path": (o.kv_transfer_params or {}).get("hidden_states_path"),
+                "kv_transfer_params": o.kv_transfer_params,
                 "with_outputs": saves_outputs(sampling),
             }
             for o in outputs
@@ -247,17 +248,22 @@ SCENARIOS: dict[str, Callable[[Run], tuple[list[dict[str, Any]], dict]]] = {
 GENERATE_SCENARIOS = list(SCENARIOS)[:-2]
 
 
-CONNECTORS = ("example", "fp8")
+CONNECTORS = ("example", "fp8", "mooncake")
 
 
-def connector_class(name: str) -> type:
-    """The CPU-saving connector ``--connector`` names (hs-connectors is
-    imported only when asked for)."""
-    if name == "fp8":
+def transfer_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``kv_transfer_config`` for the CPU-saving connector ``--connector``
+    names (hs-connectors is imported only when asked for)."""
+    if args.connector == "mooncake":
+        from tests import cpu_mooncake_hidden_states_connector as mooncake
+
+        return mooncake.kv_transfer_config(args.mooncake_master)
+    connector = CPUHiddenStatesConnector
+    if args.connector == "fp8":
         from tests.cpu_fp8_hidden_states_connector import CPUFP8HiddenStatesConnector
 
-        return CPUFP8HiddenStatesConnector
-    return CPUHiddenStatesConnector
+        connector = CPUFP8HiddenStatesConnector
+    return kv_transfer_config(args.storage, connector)
 
 
 @dataclass
@@ -299,7 +305,10 @@ def main(argv: list[str] | None = None) -> None:
         "--connector",
         choices=CONNECTORS,
         default="example",
-        help="vLLM's ExampleHiddenStatesConnector or hs-connectors' FP8 one",
+        help="vLLM's ExampleHiddenStatesConnector or one of hs-connectors'",
+    )
+    parser.add_argument(
+        "--mooncake-master", help="host:port of the Mooncake store's master"
     )
     args = parser.parse_args(argv)
     llm = LLM(
@@ -309,9 +318,7 @@ def main(argv: list[str] | None = None) -> None:
             args.storage,
             tensor_parallel_size=args.tensor_parallel_size,
             load_format=args.load_format,
-            kv_transfer_config=kv_transfer_config(
-                args.storage, connector_class(args.connector)
-            ),
+            kv_transfer_config=transfer_config(args),
         )
     )
     run = Run(llm, args.storage)
@@ -319,7 +326,12 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.scenarios:
         before = run.stats()
         requests, evidence = SCENARIOS[name](run)
-        run.flush(requests)
+        if args.connector == "mooncake":
+            from tests.cpu_mooncake_hidden_states_connector import fetch_samples
+
+            fetch_samples(llm, requests, args.mooncake_master, args.storage)
+        else:
+            run.flush(requests)
         results[name] = {
             "requests": requests,
             "evidence": evidence,

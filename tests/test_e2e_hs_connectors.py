@@ -1,17 +1,18 @@
 """The users' own connector package through the real engine: hs-connectors'
-``FP8HiddenStatesConnector``, loaded with ``kv_connector_module_path`` as the
-``speculators`` project loads it, with only its CUDA stream hand-off replaced
-for the CPU (:mod:`tests.cpu_fp8_hidden_states_connector`).
+``FP8HiddenStatesConnector`` and ``MooncakeHiddenStatesConnector``, loaded
+with ``kv_connector_module_path`` as the ``speculators`` project loads them,
+with only their CUDA stream hand-off replaced for the CPU
+(:mod:`tests.cpu_fp8_hidden_states_connector`,
+:mod:`tests.cpu_mooncake_hidden_states_connector`).
 
 The three ways (vLLM's speculator, ours eager, ours with graphs) run the
-decode scenario, whose decode steps replay graphs, saving the generated
-tokens' rows too. Their FP8 files must be byte-identical, and the package's own
-reader (``hs_connectors.transfer.FP8Transfer``) must give back each request's
-tokens and dequantized hidden states.
-
-``MooncakeHiddenStatesConnector`` is not here: it needs a Mooncake store (the
-``mooncake-transfer-engine`` package, its master and transfer engine); see
-the note of issue 25.
+decode scenario with the FP8 connector, whose decode steps replay graphs,
+saving the generated tokens' rows too. Their FP8 files must be byte-identical,
+and the package's own reader (``hs_connectors.transfer.FP8Transfer``) must
+give back each request's tokens and dequantized hidden states. Ours with
+graphs runs it once more with the Mooncake connector, on a local Mooncake
+store, read back with ``MooncakeTransfer``: full-precision samples, which
+must quantize to the FP8 files' bytes.
 """
 
 import pytest
@@ -25,7 +26,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.cpu_mooncake_hidden_states_connector import mooncake_master
 from tests.generate_scenarios import scenario_run
+from tests.openai_server import free_port
 from tests.real_engine import AUX_LAYER_IDS, WAYS, require_cpu_engine, run_engines
 from tests.write_cases import same_bytes
 
@@ -40,21 +43,22 @@ FP8_KEYS = ["hidden_states", "hidden_states_scales", "token_ids"]
 def runs(model_dir, tmp_path_factory):
     require_cpu_engine()
     workdir = tmp_path_factory.mktemp("e2e_hs_connectors")
-    runs = {
-        way: scenario_run(
-            f"fp8_{way}",
-            way,
-            model_dir,
-            workdir,
-            "--scenarios",
-            SCENARIO,
-            "--connector",
-            "fp8",
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        pytest.fail(
+            f"Mooncake's store does not load ({e}): pip install the test extras "
+            "(mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1"
         )
-        for way in WAYS
-    }
-    run_engines([run.engine for run in runs.values()], timeout=600)
-    return {way: run.results()[SCENARIO] for way, run in runs.items()}
+    common = [model_dir, workdir, "--scenarios", SCENARIO, "--connector"]
+    runs = {way: scenario_run(f"fp8_{way}", way, *common, "fp8") for way in WAYS}
+    ports = [free_port(), free_port()]
+    with mooncake_master(*ports, workdir / "mooncake_master.log") as master:
+        runs["mooncake"] = scenario_run(
+            "mooncake", "graphs", *common, "mooncake", "--mooncake-master", master
+        )
+        run_engines([run.engine for run in runs.values()], timeout=600)
+    return {name: run.results()[SCENARIO] for name, run in runs.items()}
 
 
 def test_the_graph_way_replayed(runs):
@@ -101,3 +105,23 @@ def test_the_packages_reader_reads_them(runs, model_dir):
             samples.setdefault(i, []).append(states)
     for i, states in samples.items():
         assert all(same_bytes(s, states[0]) for s in states), f"request {i}"
+
+
+def test_mooncake_samples_are_the_fp8_files_before_quantizing(runs):
+    """What ``MooncakeTransfer`` reads back (ours with graphs, full precision)
+    quantized with the package's own FP8 quantizer gives the FP8 files' bytes."""
+    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+    (stats,) = runs["mooncake"]["stats_after"]
+    assert stats["stats"]["copy_in_replays"] > 0
+    samples, fp8 = runs["mooncake"]["requests"], runs["vllm"]["requests"]
+    assert len(samples) == len(fp8) > 0
+    for i, (got, want) in enumerate(zip(samples, fp8, strict=True)):
+        assert got["output"] == want["output"]
+        sample, file = load_file(got["path"]), load_file(want["path"])
+        assert sorted(sample) == ["hidden_states", "token_ids"]
+        assert sample["hidden_states"].dtype == torch.float32
+        assert same_bytes(sample["token_ids"], file["token_ids"]), i
+        states, scales = quantize_tensor_to_fp8(sample["hidden_states"])
+        assert same_bytes(states, file["hidden_states"]), f"request {i}"
+        assert same_bytes(scales, file["hidden_states_scales"]), f"request {i}"
