@@ -14,10 +14,17 @@ ours with ``cudagraph`` false capture nothing.
 Its other methods (and :class:`perf.engine_probe.EngineProbe`'s) are for
 tests and the sweep to call through ``collective_rpc`` (``LLM.collective_rpc``,
 ``AsyncLLM.collective_rpc`` or the server's dev-mode ``/collective_rpc``).
+With data parallelism the server's ``/collective_rpc`` reaches one engine
+core only, so where :data:`STEP_LOG` names a folder each rank also writes its
+own steps there (:class:`StepLog`).
 """
 
 from __future__ import annotations
 
+import json
+import os
+from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,9 +37,64 @@ from perf.engine_probe import EngineProbe
 # vLLM's default mode, as a GPU runner keeps it when every attention backend
 # supports FULL graphs; ours captures under it.
 GPU_MODE = CUDAGraphMode.FULL_AND_PIECEWISE
+# A folder: each rank appends its steps to ``dp<DP rank>_tp<TP rank>.jsonl``.
+STEP_LOG = "ENGINE_WORKER_STEP_LOG"
+
+
+class StepLog:
+    """One JSON line per step this rank ran: ``scheduled`` (request id to the
+    tokens the scheduler gave this rank), ``replayed`` (the sizes of the graphs
+    replayed, as the graph managers returned them) and the speculator's
+    ``cudagraph_stats()`` after it. Written as each step ends, so a server
+    stopped by a signal has lost nothing."""
+
+    def __init__(self, path: Path, speculator: Any):
+        self.path = path
+        self.speculator = speculator
+        self.pending: deque[dict[str, int]] = deque()
+        self.replayed: list[int] = []
+        graphs = speculator.graphs
+        for manager in (graphs.copy_in, graphs.zero_copy) if graphs else ():
+            if manager is not None:
+                manager.replay = self._recording(manager.replay)
+
+    @classmethod
+    def open(cls, worker: Any) -> StepLog | None:
+        folder = os.environ.get(STEP_LOG)
+        speculator = worker.model_runner.speculator
+        if not folder or not hasattr(speculator, "cudagraph_stats"):
+            return None
+        parallel = worker.vllm_config.parallel_config
+        name = f"dp{parallel.data_parallel_index}_tp{worker.rank}.jsonl"
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return cls(Path(folder) / name, speculator)
+
+    def _recording(self, replay):
+        def recorded(num_tokens: int) -> int:
+            padded = replay(num_tokens)
+            self.replayed.append(padded)
+            return padded
+
+        return recorded
+
+    def scheduled(self, num_scheduled_tokens: dict[str, int]) -> None:
+        if num_scheduled_tokens:
+            self.pending.append(dict(num_scheduled_tokens))
+
+    def write(self) -> None:
+        line = {
+            "scheduled": self.pending.popleft(),
+            "replayed": self.replayed,
+            "stats": self.speculator.cudagraph_stats(),
+        }
+        self.replayed = []
+        with open(self.path, "a") as out:
+            out.write(json.dumps(line) + "\n")
 
 
 class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
+    step_log: StepLog | None = None
+
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any):
         times = super().compile_or_warm_up_model(*args, **kwargs)
         runner = self.model_runner
@@ -42,7 +104,22 @@ class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
         speculator.init_cudagraph_manager(GPU_MODE)
         with use_workspace_lane(runner._draft_workspace_lane):
             speculator.capture()
+        self.step_log = StepLog.open(self)
         return times
+
+    # The step log's hooks: the scheduler's share of this rank before the
+    # forward; the write once the speculator ran (MRv2 proposes in
+    # sample_tokens).
+    def execute_model(self, scheduler_output: Any):
+        if self.step_log is not None:
+            self.step_log.scheduled(scheduler_output.num_scheduled_tokens)
+        return super().execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: Any):
+        output = super().sample_tokens(grammar_output)
+        if self.step_log is not None:
+            self.step_log.write()
+        return output
 
     def hidden_state_cache(self) -> torch.Tensor:
         """This rank's hidden-state KV cache (a copy)."""

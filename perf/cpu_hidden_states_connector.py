@@ -30,8 +30,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-MODULE = __name__
-
 
 class _CopyDone:
     """Stands for the CUDA event of a device-to-host copy that has finished:
@@ -79,11 +77,14 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = done
 
 
-def kv_transfer_config(storage: str | os.PathLike) -> dict[str, Any]:
-    """``--kv-transfer-config`` for this connector, saving under ``storage``."""
+def kv_transfer_config(
+    storage: str | os.PathLike, connector: type = CPUHiddenStatesConnector
+) -> dict[str, Any]:
+    """``--kv-transfer-config`` for ``connector`` (this one unless told),
+    saving under ``storage``."""
     return {
-        "kv_connector": CPUHiddenStatesConnector.__name__,
-        "kv_connector_module_path": MODULE,
+        "kv_connector": connector.__name__,
+        "kv_connector_module_path": connector.__module__,
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(storage)},
     }

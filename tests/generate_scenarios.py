@@ -36,6 +36,10 @@ from perf.cpu_engine import (
     engine_kwargs,
     lock_is_free,
 )
+from perf.cpu_hidden_states_connector import (
+    CPUHiddenStatesConnector,
+    kv_transfer_config,
+)
 
 PREFIX = 96  # three blocks
 FLUSH_STEPS = 50
@@ -101,19 +105,25 @@ class Run:
                 "finish_reason": o.outputs[0].finish_reason,
                 "cached": o.num_cached_tokens or 0,
                 "path": (o.kv_transfer_params or {}).get("hidden_states_path"),
+                "kv_transfer_params": o.kv_transfer_params,
                 "with_outputs": saves_outputs(sampling),
             }
             for o in outputs
         ]
 
-    def run_scenarios(self, names: list[str]) -> dict[str, Any]:
-        """Each scenario in turn: its requests (once their files are saved),
-        its evidence, the speculator's stats before and after it."""
+    def run_scenarios(
+        self,
+        names: list[str],
+        collect: Callable[[list[dict[str, Any]]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Each scenario in turn: its requests (once ``collect``, by default
+        :meth:`flush`, has their saves), its evidence, the speculator's stats
+        before and after it."""
         results = {}
         for name in names:
             before = self.stats()
             requests, evidence = SCENARIOS[name](self)
-            self.flush(requests)
+            (collect or self.flush)(requests)
             results[name] = {
                 "requests": requests,
                 "evidence": evidence,
@@ -230,6 +240,18 @@ def server_prompts() -> list[list[int]]:
     return [tokens(rng, n) for n in (1, 5, 16, 31, 33, 64, 100, 200)]
 
 
+def short_client_prompts(run: Run):
+    """Short prompts, sent together after the others by
+    ``tests/test_e2e_data_parallel.py``: each server rank's share then fits
+    a graph."""
+    return run.generate(short_prompts(), params(1, with_outputs=False)), {}
+
+
+def short_prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    return [tokens(rng, n) for n in (1, 2, 3, 5, 6, 7, 9, 11)]
+
+
 SCENARIOS: dict[str, Callable[[Run], tuple[list[dict[str, Any]], dict]]] = {
     f.__name__: f
     for f in (
@@ -240,9 +262,29 @@ SCENARIOS: dict[str, Callable[[Run], tuple[list[dict[str, Any]], dict]]] = {
         aborted_mid_flight,
         many_prompt_lengths,
         client_prompts,
+        short_client_prompts,
     )
 }
-GENERATE_SCENARIOS = list(SCENARIOS)[:-1]  # what tests/test_e2e_generate.py runs
+# What tests/test_e2e_generate.py runs: all but the server tests' references.
+GENERATE_SCENARIOS = list(SCENARIOS)[:-2]
+
+
+CONNECTORS = ("example", "fp8", "mooncake")
+
+
+def transfer_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``kv_transfer_config`` for the CPU-saving connector ``--connector``
+    names (hs-connectors is imported only when asked for)."""
+    if args.connector == "mooncake":
+        from tests import cpu_mooncake_hidden_states_connector as mooncake
+
+        return mooncake.kv_transfer_config(args.mooncake_master)
+    connector = CPUHiddenStatesConnector
+    if args.connector == "fp8":
+        from tests.cpu_fp8_hidden_states_connector import CPUFP8HiddenStatesConnector
+
+        connector = CPUFP8HiddenStatesConnector
+    return kv_transfer_config(args.storage, connector)
 
 
 @dataclass
@@ -280,6 +322,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--caches", type=Path, help="torch.save each rank's hidden-state cache here"
     )
+    parser.add_argument(
+        "--connector",
+        choices=CONNECTORS,
+        default="example",
+        help="vLLM's ExampleHiddenStatesConnector or one of hs-connectors'",
+    )
+    parser.add_argument(
+        "--mooncake-master", help="host:port of the Mooncake store's master"
+    )
     args = parser.parse_args(argv)
     llm = LLM(
         **engine_kwargs(
@@ -288,9 +339,17 @@ def main(argv: list[str] | None = None) -> None:
             args.storage,
             tensor_parallel_size=args.tensor_parallel_size,
             load_format=args.load_format,
+            kv_transfer_config=transfer_config(args),
         )
     )
-    results = Run(llm, args.storage).run_scenarios(args.scenarios)
+    collect = None
+    if args.connector == "mooncake":
+        from tests.cpu_mooncake_hidden_states_connector import fetch_samples
+
+        def collect(requests):
+            fetch_samples(llm, requests, args.mooncake_master, args.storage)
+
+    results = Run(llm, args.storage).run_scenarios(args.scenarios, collect)
     args.out.write_text(json.dumps(results, indent=1))
     if args.caches:
         torch.save(llm.collective_rpc("hidden_state_cache"), args.caches)
