@@ -541,6 +541,28 @@ def test_speculator_sweep_is_bit_exact(tmp_path, vllm_available):
         assert "CUDA device" in notes["skipped_modes"]["speculator"]["graph"]
 
 
+def test_the_sweep_opens_with_what_it_measures(tmp_path, vllm_available):
+    """vLLM's lines about the engine the speculator engine never starts
+    ("using the V1 model runner instead", Triton's) no longer open the
+    output; the sweep's own line saying what is timed does."""
+    out = tmp_path / "s.csv"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    argv = ["--engine", "speculator", "--sizes", "3", "--out", str(out), *TINY]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "perf" / "sweep.py"), *argv],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0] == (
+        "sweep: speculator engine on cpu: the propose() of vLLM's "
+        "extract_hidden_states speculator and of cg_extract's, called directly "
+        "(no vLLM engine or model runner starts)"
+    )
+    printed = proc.stdout + proc.stderr
+    for line in ("V1 model runner", "Triton is not installed", "Triton is installed"):
+        assert line not in printed
+
+
 def test_speculator_graph_path_emulated(vllm_available):
     """Our graph mode end to end on CPU, through the emulated backend: bit
     exact, padded, and its replayed work counted (never timed)."""
