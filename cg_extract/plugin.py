@@ -152,7 +152,9 @@ def _named_keys(engine_args: Any) -> str:
 
     spec = getattr(engine_args, "speculative_config", None) or {}
     additional = getattr(engine_args, "additional_config", None) or {}
-    named = [f"speculative config key {k!r}" for k in spec if k in KEYS]
+    named = [
+        f"speculative config key {k!r}" for k in spec if k.replace("-", "_") in KEYS
+    ]
     if ADDITIONAL_CONFIG_KEY in additional:
         named.append(ADDITIONAL_CONFIG)
     return ", ".join(named) or "this config"
