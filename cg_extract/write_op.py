@@ -31,7 +31,7 @@ torch 2.13.0+cpu, commit 9863434) measured, for a kernel that does nothing,
 ``torch.library.custom_op`` and 0.1 us for the check of the dispatch-mode
 stack plus a Python call; so the op stays a ``Library`` registration
 (``define`` plus one ``impl`` per dispatch key) and the eager path calls
-around the dispatcher. perf/README.md ("The write op's fixed cost") has the
+around the dispatcher. docs/measurements.md ("The write op's fixed cost") has the
 figures for the whole write.
 """
 

@@ -3,7 +3,8 @@
     python perf/gate.py --current out/ci_gate/sweep.csv --baseline perf/baselines/cpu.csv \
         --machine-baselines perf/baselines/cpu [--update]
 
-The checks are data (``rules.csv`` next to ``--baseline``): each selects rows
+The checks are data (``rules.csv`` next to ``--baseline``, else
+perf/baselines/rules.csv): each selects rows
 by mode and token count and checks its metric on the current run alone
 (``run``), against any baseline (``baseline``), or against a baseline from
 the same machine model (``same_machine``) or GPU (``same_gpu``). The baseline
@@ -152,9 +153,13 @@ def _token_range(text: str, at: str) -> tuple[int, float]:
         return 1, math.inf
     low, dash, high = text.partition("-")
     try:
-        return int(low), (int(high) if high else math.inf) if dash else int(low)
+        low, high = int(low), (int(high) if high else math.inf) if dash else int(low)
     except ValueError:
         raise Refused(f"{at}: tokens {text!r} is not *, N, N- or N-M") from None
+    if not 1 <= low <= high:
+        # Would select no row, and a rule that selects nothing passes.
+        raise Refused(f"{at}: tokens {text!r} selects no size; N-M needs 1 <= N <= M")
+    return low, high
 
 
 def load_sweep(path: Path, role: str) -> pd.DataFrame:
@@ -425,12 +430,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--current", type=Path, required=True, help="the sweep CSV to gate")
     p.add_argument("--baseline", type=Path, required=True, help="the reference")
     p.add_argument("--machine-baselines", type=Path, help="folder of <machine>.csv")
-    p.add_argument("--rules", type=Path, help="default: rules.csv next to --baseline")
+    p.add_argument(
+        "--rules",
+        type=Path,
+        help="default: rules.csv next to --baseline, else perf/baselines/rules.csv",
+    )
     p.add_argument(
         "--update",
         action="store_true",
-        help="print the comparison, then make the current run the baseline "
-        "(<machine>.csv with --machine-baselines, else --baseline)",
+        help="print the comparison, then make the current run this machine "
+        "model's baseline, <machine>.csv in --machine-baselines (required)",
     )
     return p
 
@@ -450,7 +459,7 @@ def gate(args: argparse.Namespace) -> int:
     if args.update:
         return update(args, cur, target)
     base = load_sweep(base_path, "baseline")
-    rules = load_rules(args.rules or args.baseline.parent / "rules.csv")
+    rules = load_rules(rules_path(args))
     try:
         comparison = compare(base, cur, rules)
     except Refused as why:
@@ -462,9 +471,27 @@ def gate(args: argparse.Namespace) -> int:
     return PASS if comparison.passed else FAIL
 
 
+PROJECT_RULES = Path(__file__).resolve().parent / "baselines" / "rules.csv"
+
+
+def rules_path(args: argparse.Namespace) -> Path:
+    """--rules, else the rules.csv next to --baseline, else the project's."""
+    if args.rules:
+        return args.rules
+    beside = args.baseline.parent / "rules.csv"
+    return beside if beside.is_file() else PROJECT_RULES
+
+
 def choose_baseline(args: argparse.Namespace, cur: pd.DataFrame):
     """(the baseline to compare with, the one --update writes, why)."""
     if not args.machine_baselines:
+        if args.update:
+            raise Refused(
+                f"--update writes this machine model's baseline into "
+                f"--machine-baselines DIR and never the reference {args.baseline}; "
+                "add --machine-baselines (e.g. perf/baselines/cpu), or copy the "
+                "CSV over the reference yourself if that is what you mean"
+            )
         return args.baseline, args.baseline, f"gate: baseline {args.baseline}"
     key = key_of(cur)
     if key is None:
@@ -488,7 +515,7 @@ def choose_baseline(args: argparse.Namespace, cur: pd.DataFrame):
 def update(args: argparse.Namespace, cur: pd.DataFrame, target: Path) -> int:
     """Show what changes, then make the current run the baseline."""
     if target.is_file():
-        rules = load_rules(args.rules or args.baseline.parent / "rules.csv")
+        rules = load_rules(rules_path(args))
         try:
             print(render(compare(load_sweep(target, "old baseline"), cur, rules)))
         except Refused as why:

@@ -142,6 +142,23 @@ def to_frame(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
+# Significant digits kept in the CSV: run-to-run noise is percents, so more
+# digits than this are noise.
+SIGNIFICANT = 4
+
+
+def rounded(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with every float rounded to :data:`SIGNIFICANT` digits
+    (``56.21800005428668`` is written ``56.22``); integers as they are."""
+    out = frame.copy()
+    for column in out.columns:
+        if pd.api.types.is_float_dtype(out[column]):
+            out[column] = out[column].map(
+                lambda v: v if pd.isna(v) else float(f"{v:.{SIGNIFICANT}g}")
+            )
+    return out
+
+
 def sidecar_paths(csv_path: Path) -> tuple[Path, Path]:
     """The PNG and the ``.meta.json`` written next to the CSV."""
     return csv_path.with_suffix(".png"), csv_path.with_suffix(".meta.json")
@@ -152,7 +169,7 @@ def write(frame: pd.DataFrame, csv_path: Path, notes: Mapping[str, Any]) -> None
     op lists, interrupted): last, so that they can record a Ctrl-C that came
     while the others were written."""
     png, meta = sidecar_paths(csv_path)
-    frame.to_csv(csv_path, index=False)
+    rounded(frame).to_csv(csv_path, index=False)
     plot(frame, png, notes.get("skipped_modes", {}))
     meta.write_text(json.dumps(notes, indent=2, default=str) + "\n")
 
@@ -173,11 +190,12 @@ def plot(
     -> why, the sweep's ``skipped_modes``) is written under the panels, so
     that a figure without the graph modes says so and why."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (latency, speedup) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (latency, speedup) = plt.subplots(1, 2, figsize=(12, 5))
     series = frame.groupby(["engine", "mode"], sort=False)
     for index, ((engine, mode), rows) in enumerate(series):
         rows = rows.sort_values("num_tokens")
@@ -195,7 +213,7 @@ def plot(
         reference = UPSTREAM[engines.pop()]
     speedup.set(
         xlabel="tokens per step",
-        ylabel="p50 upstream / p50 mode",
+        ylabel="p50 upstream / p50 mode (log)",
         title=f"Speedup vs {reference}",
     )
     for ax in (latency, speedup):
@@ -203,19 +221,19 @@ def plot(
             ax.text(0.5, 0.5, "no data", ha="center", transform=ax.transAxes)
             continue
         ax.set_xscale("log")
-        if ax is latency:
-            ax.set_yscale("log")
-        else:
-            ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_yscale("log")
+        if ax is speedup:
+            ax.axhline(
+                1.0, color="grey", linewidth=0.8, label="1.0: as fast as upstream"
+            )
+            plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     if len(frame):
-        first = frame.iloc[0]
-        title = (
-            f"{first['device_name']} | {first['dtype']}, hidden {first['hidden_size']}, "
-            f"aux layers {first['aux_layers']} | {first['git_commit']}"
-        )
-        if "vllm" in engines_run and first["device"] == "cpu":
+        title = plot_title(frame)
+        if "vllm" in engines_run and frame.iloc[0]["device"] == "cpu":
             title += (
                 "\nvLLM's engine on a CPU (x: prompts per run): timings "
                 "informative only, not GPU figures"
@@ -227,6 +245,26 @@ def plot(
         fig.text(0.01, 0.01, note, fontsize="small", wrap=True)
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def plot_title(frame: pd.DataFrame) -> str:
+    """What was measured, on which machine, how often and with what."""
+    first = frame.iloc[0]
+    engines = ", ".join(dict.fromkeys(frame["engine"]))
+    # A whole engine's hidden size is its model's, not a sweep parameter.
+    shape = (
+        f"model {first['model']}"
+        if pd.isna(first["hidden_size"])
+        else f"hidden {first['hidden_size']}"
+    )
+    return (
+        f"extract_hidden_states step, sweep engine {engines}: p50 of "
+        f"{first['iters']} iterations per mode and size ({first['warmup']} warm-up), "
+        f"CPU threads: {first['cpu_threads']}\n"
+        f"{first['device_name']} | {first['dtype']}, {shape}, "
+        f"aux layers {first['aux_layers']} | {first['vllm_version']}, "
+        f"commit {first['git_commit']}"
+    )
 
 
 def left_out_note(left_out: Mapping[str, Mapping[str, str]]) -> str:
@@ -244,13 +282,30 @@ def table(frame: pd.DataFrame) -> str:
     """The short table printed at the end of a sweep."""
     if frame.empty:
         return "(no rows)"
-    if set(frame["engine"]) == {"vllm"}:
-        return frame[VLLM_TABLE].fillna("").to_string(index=False)
-    shown = frame[TABLE].copy()
-    for column in ("p50_us", "p99_us"):
-        shown[column] = shown[column].map(lambda v: f"{v:.1f}")
-    shown["tokens_per_s"] = shown["tokens_per_s"].map(lambda v: f"{v:.3g}")
-    for column in ("speedup_vs_upstream", "speedup_vs_eager", "bw_floor_frac"):
-        shown[column] = shown[column].map(lambda v: "" if pd.isna(v) else f"{v:.2f}")
-    shown["bit_exact"] = shown["bit_exact"].map(lambda v: "" if pd.isna(v) else v)
+    shown = frame[VLLM_TABLE if set(frame["engine"]) == {"vllm"} else TABLE].copy()
+    for column, form in TABLE_FORMATS.items():
+        if column in shown:
+            shown[column] = shown[column].map(
+                lambda v, f=form: "" if pd.isna(v) else f(v)
+            )
+    shown = shown.fillna("")
+    # The reference is what the other rows are compared with: no verdict.
+    reference = shown["mode"] == "upstream"
+    shown.loc[reference, "bit_exact"] = shown.loc[reference, "bit_exact"].replace(
+        "", "(ref)"
+    )
     return shown.to_string(index=False)
+
+
+# Fixed-point everywhere in the printed table: no 1.78e+04 beside 68.3.
+TABLE_FORMATS = {
+    "p50_us": "{:.1f}".format,
+    "p99_us": "{:.1f}".format,
+    "tokens_per_s": "{:,.0f}".format,
+    "speedup_vs_upstream": "{:.2f}".format,
+    "speedup_vs_eager": "{:.2f}".format,
+    "prompts_per_s": "{:,.1f}".format,
+    "slowdown_vs_baseline": "{:.2f}".format,
+    "bw_floor_frac": "{:.2f}".format,
+    "bit_exact": str,
+}

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse
 import functools
+import logging
 import math
 import os
 import signal
@@ -633,6 +634,8 @@ def _run(args: argparse.Namespace) -> int:
         "graphs": {},  # capture time and graph memory, per engine and mode
     }
     rows: list[dict[str, Any]] = []
+    for name in args.engines:
+        print(f"sweep: {name} engine on {device}: {MEASURES[name]}")
     sampler = start_sampler(device, args.nvml_interval)
     notes["nvml"] = "sampled" if sampler.available else sampler.reason
     # --engine vllm emits once per mode, the others once per size.
@@ -712,8 +715,24 @@ def print_summary(frame, out: Path, notes: dict[str, Any]) -> None:
     print(f"wrote {out}, {png}, {meta}")
 
 
+# The sweep's first lines: what is timed, before vLLM's own lines (about an
+# engine the speculator and kernel engines never start) can suggest otherwise.
+MEASURES = {
+    "speculator": "the propose() of vLLM's extract_hidden_states speculator and "
+    "of cg_extract's, called directly (no vLLM engine or model runner starts)",
+    "kernel": "the speculator step's cache write in torch alone (no vLLM)",
+    "vllm": "whole vLLM engines generating (LLM.generate), with vLLM's "
+    "extract_hidden_states speculator and with cg_extract's",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM's warnings here concern engine settings the sweep chose (runner,
+    # Triton, scheduling); VLLM_LOGGING_LEVEL=WARNING shows them.
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+        # Logged at vLLM's import, before its level applies.
+        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     return run(parse_args(argv))
 
 

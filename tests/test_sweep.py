@@ -446,6 +446,47 @@ def test_plot_says_which_modes_were_left_out_and_why(tmp_path, monkeypatch):
     assert not [t for t in figures.pop().texts if "Left out" in t.get_text()]
 
 
+def test_plot_says_what_was_measured_where_and_reads_its_axes(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    frame = pd.read_csv(REPO / "perf" / "baselines" / "cpu.csv")
+    report.plot(frame, tmp_path / "p.png")
+    figure = figures.pop()
+    first = frame.iloc[0]
+    assert figure._suptitle.get_text() == (
+        "extract_hidden_states step, sweep engine speculator, kernel: p50 of "
+        f"{first['iters']} iterations per mode and size ({first['warmup']} warm-up), "
+        f"CPU threads: {first['cpu_threads']}\n{first['device_name']} | "
+        f"{first['dtype']}, hidden {first['hidden_size']}, aux layers "
+        f"{first['aux_layers']} | {first['vllm_version']}, commit "
+        f"{first['git_commit']}"
+    )
+    latency, speedup = figure.axes
+    assert speedup.get_yscale() == latency.get_yscale() == "log"  # as documented
+    (one,) = [line for line in speedup.lines if list(line.get_ydata()) == [1, 1]]
+    assert one.get_label() == "1.0: as fast as upstream"
+    legend = [t.get_text() for t in speedup.get_legend().get_texts()]
+    assert "1.0: as fast as upstream" in legend
+
+
+def test_csv_floats_are_rounded_and_the_table_has_one_number_format(tmp_path):
+    frame = pd.read_csv(REPO / "perf" / "baselines" / "cpu.csv")
+    frame.loc[0, "p50_us"] = 56.21800005428668
+    frame.loc[0, "tokens_per_s"] = 17834.56789
+    report.write(frame, tmp_path / "r.csv", {})
+    written = pd.read_csv(tmp_path / "r.csv")
+    assert written.loc[0, "p50_us"] == 56.22
+    assert written.loc[0, "tokens_per_s"] == 17830
+    assert "56.218" not in (tmp_path / "r.csv").read_text()
+    assert (written["ops_per_step"] == frame["ops_per_step"]).all()  # ints kept
+    table = report.table(frame)
+    assert "e+" not in table and "17,835" in table
+    upstream = [line.split() for line in table.splitlines() if " upstream " in line]
+    assert upstream and all(row[-1] == "(ref)" for row in upstream)
+
+
 def test_kernel_engine_runs_without_vllm(tmp_path):
     """What a GPU machine without vLLM does: vLLM cannot be imported at all."""
     code = (
@@ -482,6 +523,28 @@ def test_speculator_sweep_is_bit_exact(tmp_path, vllm_available):
     notes = json.loads(out.with_suffix(".meta.json").read_text())
     if not torch.cuda.is_available():
         assert "CUDA device" in notes["skipped_modes"]["speculator"]["graph"]
+
+
+def test_the_sweep_opens_with_what_it_measures(tmp_path, vllm_available):
+    """vLLM's lines about the engine the speculator engine never starts
+    ("using the V1 model runner instead", Triton's) no longer open the
+    output; the sweep's own line saying what is timed does."""
+    out = tmp_path / "s.csv"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    argv = ["--engine", "speculator", "--sizes", "3", "--out", str(out), *TINY]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "perf" / "sweep.py"), *argv],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0] == (
+        "sweep: speculator engine on cpu: the propose() of vLLM's "
+        "extract_hidden_states speculator and of cg_extract's, called directly "
+        "(no vLLM engine or model runner starts)"
+    )
+    printed = proc.stdout + proc.stderr
+    for line in ("V1 model runner", "Triton is not installed", "Triton is installed"):
+        assert line not in printed
 
 
 def test_speculator_graph_path_emulated(vllm_available):
