@@ -347,7 +347,10 @@ def test_bad_input_fails_when_config_is_built(model_dir, keys, message):
 def test_capture_sizes_up_to_max_num_batched_tokens_are_accepted(model_dir):
     """The bound is inclusive: a graph for a full batch is a valid size."""
     cfg = build_vllm_config(
-        model_dir, max_num_batched_tokens=512, cudagraph_capture_sizes=[8, 512]
+        model_dir,
+        max_num_batched_tokens=512,
+        cudagraph=True,
+        cudagraph_capture_sizes=[8, 512],
     )
     assert ExtractGraphConfig.from_vllm_config(cfg).cudagraph_capture_sizes == (8, 512)
 
