@@ -203,16 +203,20 @@ def plot(
         latency.plot(rows["num_tokens"], rows["p50_us"], **style)
         if mode != "upstream" and rows["speedup_vs_upstream"].notna().any():
             speedup.plot(rows["num_tokens"], rows["speedup_vs_upstream"], **style)
-    latency.set(
-        xlabel="tokens per step", ylabel="p50 step latency (us)", title="Step latency"
-    )
     engines_run = set(frame["engine"])
+    # A whole engine's size is prompts per run and its latency a request's.
+    whole_engine = engines_run == {"vllm"}
+    xlabel = "prompts per run" if whole_engine else "tokens per step"
+    what = "request" if whole_engine else "step"
+    latency.set(
+        xlabel=xlabel, ylabel=f"p50 {what} latency (us)", title=f"{what} latency"
+    )
     engines = set(engines_run)
     reference = "each engine's upstream"
     if len(engines) == 1 and engines <= UPSTREAM.keys():
         reference = UPSTREAM[engines.pop()]
     speedup.set(
-        xlabel="tokens per step",
+        xlabel=xlabel,
         ylabel="p50 upstream / p50 mode (log)",
         title=f"Speedup vs {reference}",
     )
@@ -235,8 +239,7 @@ def plot(
         title = plot_title(frame)
         if "vllm" in engines_run and frame.iloc[0]["device"] == "cpu":
             title += (
-                "\nvLLM's engine on a CPU (x: prompts per run): timings "
-                "informative only, not GPU figures"
+                "\nvLLM's engine on a CPU: timings informative only, not GPU figures"
             )
         fig.suptitle(title, fontsize="small")
     note = left_out_note(left_out or {})
@@ -258,7 +261,7 @@ def plot_title(frame: pd.DataFrame) -> str:
         else f"hidden {first['hidden_size']}"
     )
     return (
-        f"extract_hidden_states step, sweep engine {engines}: p50 of "
+        f"extract_hidden_states, sweep engine {engines}: p50 of "
         f"{first['iters']} iterations per mode and size ({first['warmup']} warm-up), "
         f"CPU threads: {first['cpu_threads']}\n"
         f"{first['device_name']} | {first['dtype']}, {shape}, "
@@ -306,6 +309,8 @@ TABLE_FORMATS = {
     "speedup_vs_eager": "{:.2f}".format,
     "prompts_per_s": "{:,.1f}".format,
     "slowdown_vs_baseline": "{:.2f}".format,
+    "copy_in_replays": "{:.0f}".format,
+    "zero_copy_replays": "{:.0f}".format,
     "bw_floor_frac": "{:.2f}".format,
     "bit_exact": str,
 }

@@ -721,7 +721,7 @@ MEASURES = {
     "speculator": "the propose() of vLLM's extract_hidden_states speculator and "
     "of cg_extract's, called directly (no vLLM engine or model runner starts)",
     "kernel": "the speculator step's cache write in torch alone (no vLLM)",
-    "vllm": "whole vLLM engines generating (LLM.generate), with vLLM's "
+    "vllm": "whole vLLM engines serving clients (AsyncLLM), with vLLM's "
     "extract_hidden_states speculator and with cg_extract's",
 }
 

@@ -456,7 +456,7 @@ def test_plot_says_what_was_measured_where_and_reads_its_axes(tmp_path, monkeypa
     figure = figures.pop()
     first = frame.iloc[0]
     assert figure._suptitle.get_text() == (
-        "extract_hidden_states step, sweep engine speculator, kernel: p50 of "
+        "extract_hidden_states, sweep engine speculator, kernel: p50 of "
         f"{first['iters']} iterations per mode and size ({first['warmup']} warm-up), "
         f"CPU threads: {first['cpu_threads']}\n{first['device_name']} | "
         f"{first['dtype']}, hidden {first['hidden_size']}, aux layers "
@@ -638,3 +638,31 @@ def test_emulated_counts_show_a_zero_copy_step(capsys):
     assert rows["graph"][1:5] == ["8", "1", "1", "1"]
     assert float(rows["upstream"][-2]) > 2.99 and float(rows["graph"][-2]) < 1.01
     assert {row[-1] for row in rows.values()} == {"clean"}  # block 0 never written
+
+
+def test_a_whole_engines_plot_and_table_read_as_requests_and_prompts(
+    tmp_path, monkeypatch
+):
+    """The vllm engine's committed CPU run: its x is prompts per run, its
+    latency a request's, its title says CPU timings are informative only and
+    names the model (it has no hidden-size parameter); replays print as
+    counts."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    frame = pd.read_csv(REPO / "perf" / "baselines" / "cpu_vllm.csv")
+    report.plot(frame, tmp_path / "p.png")
+    figure = figures.pop()
+    latency, speedup = figure.axes
+    assert latency.get_xlabel() == speedup.get_xlabel() == "prompts per run"
+    assert latency.get_ylabel() == "p50 request latency (us)"
+    title = figure._suptitle.get_text()
+    assert "model tiny dummy Llama" in title and "hidden nan" not in title
+    assert title.endswith(
+        "vLLM's engine on a CPU: timings informative only, not GPU figures"
+    )
+    graph = [
+        line.split() for line in report.table(frame).splitlines() if " graph " in line
+    ]
+    assert graph and "8" in graph[0] and "8.0" not in graph[0]
