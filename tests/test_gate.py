@@ -294,6 +294,18 @@ def test_each_deterministic_regression_fails_on_any_machine(
     assert failed(capsys.readouterr().out) == {("eager", metric)}
 
 
+def test_every_mode_but_upstream_must_be_bit_exact(tmp_path, capsys):
+    run = pd.read_csv(OWN).assign(device_name="AMD EPYC (2 cores)")
+    run["bit_exact"] = run["bit_exact"].astype(object)
+    modes = sorted(set(run["mode"]) - {"upstream"})
+    assert len(modes) > 1
+    for mode in modes:
+        cur = run.copy()
+        cur.loc[rows(cur, mode, 8), "bit_exact"] = False
+        assert run_gate(tmp_path, run, cur) == gate.FAIL, mode
+        assert failed(capsys.readouterr().out) == {(mode, "bit_exact")}
+
+
 def test_fewer_ops_and_bytes_pass_and_are_reported(tmp_path, capsys):
     base = real_run()
     cur = base.copy()
