@@ -151,6 +151,28 @@ def test_noise_inside_the_tolerance_passes(tmp_path):
     assert run_gate(tmp_path, base, scale_mode(base, "eager", 1.2)) == gate.PASS
 
 
+@pytest.mark.parametrize("kept", [0.7, 0.4])
+def test_same_machine_tolerance_is_25_percent_up_to_100_tokens_55_above(
+    tmp_path, capsys, kept
+):
+    """Eager keeps ``kept`` of its speedup over upstream: 0.7 fails the rows
+    up to 100 tokens only (limit 0.75 of the baseline there, 0.45 above),
+    0.4 fails every row."""
+    base = real_run()
+    assert run_gate(tmp_path, base, scale_mode(base, "eager", 1 / kept)) == gate.FAIL
+    failing = {
+        (line.split()[0], int(line.split()[2]))
+        for line in capsys.readouterr().out.splitlines()
+        if " same_machine " in line and line.endswith(" FAIL")
+    }
+    eager = base[base["mode"] == "eager"]
+    assert failing == {
+        (engine, n)
+        for engine, n in zip(eager["engine"], eager["num_tokens"], strict=True)
+        if n <= 100 or kept < 0.45
+    }
+
+
 def test_cpu_absolute_timings_are_not_gated(tmp_path, capsys):
     base = real_run()
     cur = scale_mode(scale_mode(base, "eager", 10), "upstream", 10)  # a busy neighbour
