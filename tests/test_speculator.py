@@ -68,6 +68,21 @@ def test_a_slot_row_longer_than_the_step_is_read_to_its_tokens(pair):
     assert ours.kv_cache.count_nonzero() == stacked.count_nonzero()
 
 
+def test_a_hidden_state_cache_of_another_dtype_is_refused(model_dir):
+    """--kv-cache-dtype bfloat16 with a float32 model: vLLM gives the
+    cache-only layer a bf16 cache; we store hidden states unconverted, so we
+    refuse at load, naming both dtypes."""
+    cfg = build_vllm_config(
+        model_dir, dtype="float32", engine_args={"kv_cache_dtype": "bfloat16"}
+    )
+    with pytest.raises(
+        ValueError,
+        match="hidden-state cache is torch.bfloat16 but the model's hidden "
+        "states are torch.float32",
+    ):
+        load_speculator(ExtractHiddenStatesSpeculator, cfg)
+
+
 def test_draft_tokens_are_last_sampled_of_each_request(pair):
     _, ours = pair
     inputs = make_step_inputs(ours, 12, torch.Generator().manual_seed(7), num_reqs=5)
