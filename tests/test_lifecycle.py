@@ -482,10 +482,16 @@ def test_a_second_capture_needs_a_release(model_dir):
     loaded = load_ours(model_dir, num_blocks=4)
     spec = loaded.speculator
     spec.init_cudagraph_manager(CUDAGraphMode.FULL)
+    # vLLM's meaning of needs_capture(), which no 0.32/0.33 caller asks of a
+    # speculator's manager yet: graphs are owed until captured, and again
+    # after a release.
+    assert spec.cudagraph_manager.needs_capture()
     spec.capture()
+    assert not spec.cudagraph_manager.needs_capture()
     with pytest.raises(RuntimeError, match="already captured; release_graphs"):
         spec.capture()
     spec.cudagraph_manager.release_graphs()
+    assert spec.cudagraph_manager.needs_capture()
     spec.capture()
     assert spec.cudagraph_stats()["captured_sizes"] == SIZES
 
