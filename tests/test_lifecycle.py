@@ -56,6 +56,7 @@ from tests.harness import (
     load_speculator,
     make_step_inputs,
     propose_same_step,
+    single_process_parallel_state,
 )
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
@@ -582,6 +583,10 @@ def test_micro_batching_is_refused_at_config_time(
     model_dir, dbo, ubatch_size, dp, refused
 ):
     cfg = build_vllm_config(model_dir)
+    # This process's world of one, set up before DP is set below (vLLM would
+    # otherwise wait for the other rank), whether or not a test ran before.
+    with set_current_vllm_config(cfg):
+        single_process_parallel_state()
     # The CPU platform turns DBO off when the config is built; a GPU keeps it.
     pc = cfg.parallel_config
     pc.enable_dbo, pc.data_parallel_size = dbo, dp
