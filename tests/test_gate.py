@@ -151,6 +151,28 @@ def test_noise_inside_the_tolerance_passes(tmp_path):
     assert run_gate(tmp_path, base, scale_mode(base, "eager", 1.2)) == gate.PASS
 
 
+@pytest.mark.parametrize("kept", [0.7, 0.4])
+def test_same_machine_tolerance_is_25_percent_up_to_100_tokens_55_above(
+    tmp_path, capsys, kept
+):
+    """Eager keeps ``kept`` of its speedup over upstream: 0.7 fails the rows
+    up to 100 tokens only (limit 0.75 of the baseline there, 0.45 above),
+    0.4 fails every row."""
+    base = real_run()
+    assert run_gate(tmp_path, base, scale_mode(base, "eager", 1 / kept)) == gate.FAIL
+    failing = {
+        (line.split()[0], int(line.split()[2]))
+        for line in capsys.readouterr().out.splitlines()
+        if " same_machine " in line and line.endswith(" FAIL")
+    }
+    eager = base[base["mode"] == "eager"]
+    assert failing == {
+        (engine, n)
+        for engine, n in zip(eager["engine"], eager["num_tokens"], strict=True)
+        if n <= 100 or kept < 0.45
+    }
+
+
 def test_cpu_absolute_timings_are_not_gated(tmp_path, capsys):
     base = real_run()
     cur = scale_mode(scale_mode(base, "eager", 10), "upstream", 10)  # a busy neighbour
@@ -292,6 +314,18 @@ def test_each_deterministic_regression_fails_on_any_machine(
     regress(cur)
     assert run_gate(tmp_path, real_run("AMD EPYC (2 cores)"), cur) == gate.FAIL
     assert failed(capsys.readouterr().out) == {("eager", metric)}
+
+
+def test_every_mode_but_upstream_must_be_bit_exact(tmp_path, capsys):
+    run = pd.read_csv(OWN).assign(device_name="AMD EPYC (2 cores)")
+    run["bit_exact"] = run["bit_exact"].astype(object)
+    modes = sorted(set(run["mode"]) - {"upstream"})
+    assert len(modes) > 1
+    for mode in modes:
+        cur = run.copy()
+        cur.loc[rows(cur, mode, 8), "bit_exact"] = False
+        assert run_gate(tmp_path, run, cur) == gate.FAIL, mode
+        assert failed(capsys.readouterr().out) == {(mode, "bit_exact")}
 
 
 def test_fewer_ops_and_bytes_pass_and_are_reported(tmp_path, capsys):

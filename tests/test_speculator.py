@@ -51,6 +51,38 @@ def test_eager_matches_upstream_over_random_batches(pair):
         )
 
 
+def test_a_slot_row_longer_than_the_step_is_read_to_its_tokens(pair):
+    """As vLLM's own class does, the layer's slot row is read for the step's
+    tokens only (the aux rows'): entries past them belong to no token."""
+    _, ours = pair
+    n = 12
+    inputs = make_step_inputs(ours, n, torch.Generator().manual_seed(8))
+    slot_mappings = inputs.kwargs["slot_mappings"]
+    (name,) = slot_mappings
+    beyond = torch.full((5,), int(inputs.slots.max()) + 1, dtype=inputs.slots.dtype)
+    slot_mappings[name] = torch.cat([slot_mappings[name], beyond])
+    ours.kv_cache.zero_()
+    ours.speculator.propose(**inputs.kwargs)
+    stacked = torch.stack(inputs.aux_hidden_states, dim=1)[:n]
+    assert torch.equal(extract_from_kv_cache(ours.kv_cache, inputs.slots, n), stacked)
+    assert ours.kv_cache.count_nonzero() == stacked.count_nonzero()
+
+
+def test_a_hidden_state_cache_of_another_dtype_is_refused(model_dir):
+    """--kv-cache-dtype bfloat16 with a float32 model: vLLM gives the
+    cache-only layer a bf16 cache; we store hidden states unconverted, so we
+    refuse at load, naming both dtypes."""
+    cfg = build_vllm_config(
+        model_dir, dtype="float32", engine_args={"kv_cache_dtype": "bfloat16"}
+    )
+    with pytest.raises(
+        ValueError,
+        match="hidden-state cache is torch.bfloat16 but the model's hidden "
+        "states are torch.float32",
+    ):
+        load_speculator(ExtractHiddenStatesSpeculator, cfg)
+
+
 def test_draft_tokens_are_last_sampled_of_each_request(pair):
     _, ours = pair
     inputs = make_step_inputs(ours, 12, torch.Generator().manual_seed(7), num_reqs=5)
