@@ -641,3 +641,45 @@ def test_update_refuses_an_incorrect_run(tmp_path, capsys):
                     str(own.parent)) == gate.REFUSED  # fmt: skip
     assert "2 rows are not bit-exact" in refusal(capsys)
     assert (tmp_path / "base.csv").read_text() != (tmp_path / "cur.csv").read_text()
+
+
+# --------------------------------------------------------------------------
+# The whole engine (`--engine vllm`): correctness and replays, never timings
+
+VLLM_RUN = BASELINES / "cpu_vllm.csv"
+
+
+def test_a_whole_engine_run_is_gated_on_correctness_and_replays(tmp_path, capsys):
+    """The committed CPU run of the vllm engine passes as itself, text columns
+    (graph mode, captured sizes, model) and all; its checks are bit_exact
+    and the graph mode's replays, nothing else."""
+    run = pd.read_csv(VLLM_RUN)
+    assert run_gate(tmp_path, run, run) == 0
+    output = capsys.readouterr().out
+    assert checked(output) == {
+        ("eager", "bit_exact"),
+        ("graph", "bit_exact"),
+        ("graph", "copy_in_replays"),
+    }
+
+
+@pytest.mark.parametrize(
+    "column, value", [("copy_in_replays", 0.0), ("bit_exact", False)]
+)
+def test_a_whole_engine_without_replays_or_exact_files_fails(
+    tmp_path, capsys, column, value
+):
+    run = pd.read_csv(VLLM_RUN)
+    broken = run.copy()
+    broken.loc[broken["mode"] == "graph", column] = value
+    assert run_gate(tmp_path, run, broken) == 1
+    assert failed(capsys.readouterr().out) == {("graph", column)}
+
+
+def test_a_whole_engines_cpu_timings_are_never_gated(tmp_path, capsys):
+    """A CPU engine's timings are the CPU's: a graph mode 10x slower than
+    the baseline's, on the same machine, still passes."""
+    run = pd.read_csv(VLLM_RUN)
+    slow = scale_mode(run, "graph", 10.0)
+    assert run_gate(tmp_path, run, slow) == 0
+    capsys.readouterr()
