@@ -119,15 +119,20 @@ def test_strided_slots_are_read_by_their_stride():
     assert same_bytes(got, case.expected())
 
 
-@pytest.mark.parametrize("axis", ["layer", "hidden"])
+@pytest.mark.parametrize("axis", ["block", "layer", "hidden"])
 def test_offsets_past_int32_land_where_they_belong(axis):
-    """A cache whose layer axis (a ROCm layout's) or hidden axis is outermost:
-    one stride fits int32 but a stride times an index does not. Computed in
+    """A cache whose block axis (vLLM's layout, a big cache's far blocks),
+    layer axis (a ROCm layout's) or hidden axis is outermost: one stride fits
+    int32 but a stride times an index does not. Computed in
     int32 the offset wraps negative and the store lands before the cache (a
     crash of this process). The storage is over 2 GiB of virtual memory; only
     the rows written and compared are ever touched."""
     num_blocks, block_size, num_layers = 4, 16, 3
-    if axis == "layer":  # layer 2 starts at 2**31 elements
+    if axis == "block":  # block 2 (slot 40) starts at 2**31 elements
+        hidden_size, big = 64, 2**30
+        strides = (big, block_size * hidden_size, hidden_size, 1)
+        span = (num_blocks - 1) * big + num_layers * block_size * hidden_size
+    elif axis == "layer":  # layer 2 starts at 2**31 elements
         hidden_size, big = 64, 2**30
         strides = (block_size * hidden_size, big, hidden_size, 1)
         span = (num_layers - 1) * big + num_blocks * block_size * hidden_size
