@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 import torch
 
-from perf.cpu_engine import EngineFailed, EngineRun
+from perf.cpu_engine import CAPTURE_SIZES, EngineFailed, EngineRun
 from perf.cpu_engine import run_engines as run_engine_processes
 from tests.write_cases import same_bytes
 
@@ -35,3 +35,22 @@ def assert_same_saves(
     assert sorted(got) == sorted(want) == ["hidden_states", "token_ids"], what
     for key in want:
         assert same_bytes(got[key], want[key]), f"{what}: {key} differ"
+
+
+UPSTREAM = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
+OURS = "cg_extract.speculator"
+
+
+def assert_runs_its_speculator(way: str, after: Mapping, what: str) -> None:
+    """``after`` (the worker's ``speculator_stats()``) shows ``way``'s class:
+    vLLM's, whose draft layer lowers a GPU runner's graph mode (NEVER), or
+    ours, which never does (ALWAYS, issue 17) and captured only with graphs."""
+    if way == "vllm":
+        assert after["class"] == f"{UPSTREAM}.ExtractHiddenStatesSpeculator", what
+        assert after["stats"] is None, what
+        assert after["draft_cg_support"] == "NEVER", what
+    else:
+        assert after["class"] == f"{OURS}.ExtractHiddenStatesSpeculator", what
+        assert after["draft_cg_support"] == "ALWAYS", what
+        captured = CAPTURE_SIZES if way == "graphs" else []
+        assert after["stats"]["captured_sizes"] == captured, what

@@ -51,7 +51,6 @@ import torch
 
 from perf.cpu_engine import (
     AUX_LAYER_IDS,
-    CAPTURE_SIZES,
     MAX_NUM_BATCHED_TOKENS,
     WAYS,
     load_saved,
@@ -59,12 +58,15 @@ from perf.cpu_engine import (
 from tests.family_scenarios import FAMILY_SCENARIOS, family_dtype, family_run
 from tests.generate_scenarios import PREFIX
 from tests.model_families import FAMILIES, family_config
-from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
+from tests.real_engine import (
+    assert_runs_its_speculator,
+    assert_same_saves,
+    require_cpu_engine,
+    run_engines,
+)
 
 pytestmark = pytest.mark.e2e
 
-UPSTREAM = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
-OURS = "cg_extract.speculator"
 HIDDEN = "HiddenStateCacheSpec"
 
 # The groups vLLM lays out for each family, (spec, layers, block size):
@@ -130,15 +132,7 @@ def test_each_way_runs_its_speculator(results, family):
     for way in WAYS:
         for name in FAMILY_SCENARIOS[family]:
             after = stats(results[way][family][name], "stats_after")
-            if way == "vllm":
-                assert after["class"] == f"{UPSTREAM}.ExtractHiddenStatesSpeculator"
-                assert after["stats"] is None
-                assert after["draft_cg_support"] == "NEVER"
-            else:
-                assert after["class"] == f"{OURS}.ExtractHiddenStatesSpeculator"
-                assert after["draft_cg_support"] == "ALWAYS"
-                captured = CAPTURE_SIZES if way == "graphs" else []
-                assert after["stats"]["captured_sizes"] == captured, way
+            assert_runs_its_speculator(way, after, f"{family} {name} {way}")
 
 
 def shows_what_it_is_named_for(scenario: str, requests: list[dict], evidence: dict):

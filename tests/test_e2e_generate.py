@@ -17,18 +17,20 @@ import torch
 
 from perf.cpu_engine import (
     AUX_LAYER_IDS,
-    CAPTURE_SIZES,
     MAX_NUM_BATCHED_TOKENS,
     WAYS,
     load_saved,
 )
 from tests.generate_scenarios import GENERATE_SCENARIOS, PREFIX, scenario_run
-from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
+from tests.real_engine import (
+    assert_runs_its_speculator,
+    assert_same_saves,
+    require_cpu_engine,
+    run_engines,
+)
 
 pytestmark = pytest.mark.e2e
 
-UPSTREAM = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
-OURS = "cg_extract.speculator"
 HIDDEN_SIZE = 256  # perf.harness.write_model_dir's
 
 
@@ -56,20 +58,8 @@ def stats_delta(result: dict, key: str) -> int:
 
 def test_each_way_runs_its_speculator(results):
     for way, result in results.items():
-        for scenario in result.values():
-            after = stats(scenario, "stats_after")
-            cls, graphs = after["class"], after["stats"]
-            if way == "vllm":
-                assert cls == f"{UPSTREAM}.ExtractHiddenStatesSpeculator"
-                assert graphs is None
-                # vLLM's draft layer is what lowers a GPU runner's mode.
-                assert after["draft_cg_support"] == "NEVER"
-            else:
-                assert cls == f"{OURS}.ExtractHiddenStatesSpeculator"
-                # Ours never is, with or without graphs (issue 17).
-                assert after["draft_cg_support"] == "ALWAYS"
-                captured = CAPTURE_SIZES if way == "graphs" else []
-                assert graphs["captured_sizes"] == captured, way
+        for name, scenario in result.items():
+            assert_runs_its_speculator(way, stats(scenario, "stats_after"), name)
 
 
 # What each scenario is named for, seen in the vLLM run (the others must
