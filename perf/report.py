@@ -205,9 +205,8 @@ def plot(
             speedup.plot(rows["num_tokens"], rows["speedup_vs_upstream"], **style)
     engines_run = set(frame["engine"])
     # A whole engine's size is prompts per run and its latency a request's.
-    whole_engine = engines_run == {"vllm"}
-    xlabel = "prompts per run" if whole_engine else "tokens per step"
-    what = "request" if whole_engine else "step"
+    xlabel = "prompts per run" if whole_engine(frame) else "tokens per step"
+    what = "request" if whole_engine(frame) else "step"
     latency.set(
         xlabel=xlabel, ylabel=f"p50 {what} latency (us)", title=f"{what} latency"
     )
@@ -250,6 +249,11 @@ def plot(
     plt.close(fig)
 
 
+def whole_engine(frame: pd.DataFrame) -> bool:
+    """Rows of the ``vllm`` engine alone: requests and prompts, not steps."""
+    return set(frame["engine"]) == {"vllm"}
+
+
 def plot_title(frame: pd.DataFrame) -> str:
     """What was measured, on which machine, how often and with what."""
     first = frame.iloc[0]
@@ -285,7 +289,7 @@ def table(frame: pd.DataFrame) -> str:
     """The short table printed at the end of a sweep."""
     if frame.empty:
         return "(no rows)"
-    shown = frame[VLLM_TABLE if set(frame["engine"]) == {"vllm"} else TABLE].copy()
+    shown = frame[VLLM_TABLE if whole_engine(frame) else TABLE].copy()
     for column, form in TABLE_FORMATS.items():
         if column in shown:
             shown[column] = shown[column].map(
