@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     from vllm.config.compilation import CUDAGraphMode
 
     from cg_extract.speculator import ExtractHiddenStatesSpeculator
-    from perf.harness import (
+    from vllm_on_cpu.harness import (
         attach_target_graph_outputs,
         build_vllm_config,
         load_speculator,

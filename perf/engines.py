@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from cg_extract import cache_write
-from perf.harness import DTYPES
+from vllm_on_cpu.harness import DTYPES
 
 REFERENCE_MODE = "upstream"
-# Our dtype names (perf.harness.DTYPES) as vLLM spells them.
+# Our dtype names (vllm_on_cpu.harness.DTYPES) as vLLM spells them.
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 # Engines by name, imported lazily. Each module exports MODES (the names, in
@@ -56,7 +56,7 @@ class Params:
     device: torch.device
     hidden_size: int
     aux_layers: tuple[int, ...]
-    dtype: str  # a key of perf.harness.DTYPES
+    dtype: str  # a key of vllm_on_cpu.harness.DTYPES
     capture_sizes: tuple[int, ...]
     max_tokens: int  # the largest token count the sweep runs
     block_size: int = 16  # the kernel engine's; the speculator engine uses vLLM's

@@ -3,7 +3,7 @@
 Each mode is a speculator built the way the MRv2 runner builds one: from a
 ``VllmConfig`` (a Llama ``config.json`` with ``load_format="dummy"``), with
 vLLM's cache-only draft model loaded and a real KV cache bound to its layer
-(:mod:`perf.harness`). ``upstream`` is vLLM's own class, ``eager`` and
+(:mod:`vllm_on_cpu.harness`). ``upstream`` is vLLM's own class, ``eager`` and
 ``graph`` are ours with ``cudagraph`` false and true, ``per_layer`` ours
 eager with the write before the op (one scatter per aux layer).
 
@@ -30,12 +30,12 @@ from perf.engines import (
 )
 
 MAX_NUM_SEQS = 128
-HEAD_DIM = 64  # perf.harness.write_model_dir's; hidden size must be a multiple
+HEAD_DIM = 64  # vllm_on_cpu.harness.write_model_dir's; hidden size must be a multiple
 
 
 class SpeculatorRunner(Runner):
     def __init__(self, engine: SpeculatorEngine, mode: str, cls: type, **our_keys: Any):
-        from perf.harness import load_speculator
+        from vllm_on_cpu.harness import load_speculator
 
         self.mode = mode
         cfg = engine.vllm_config(**our_keys)
@@ -87,14 +87,14 @@ class GraphRunner(SpeculatorRunner):
 
     ``in_place``: the runner's persistent buffers are attached as ``set_attn``
     and the plugin's capture hook attach them on a GPU worker, and every step
-    arrives as views of them (:func:`perf.harness.as_target_outputs`),
+    arrives as views of them (:func:`vllm_on_cpu.harness.as_target_outputs`),
     as after a FULL graph replay of the target: captured sizes replay with no
     copy. Otherwise every step copies its inputs in.
     """
 
     def __init__(self, engine: SpeculatorEngine, mode: str, in_place: bool):
         from cg_extract.speculator import ExtractHiddenStatesSpeculator
-        from perf.harness import attach_target_graph_outputs
+        from vllm_on_cpu.harness import attach_target_graph_outputs
 
         require_cuda_graphs(engine, engine.graph_backend)
         super().__init__(
@@ -119,7 +119,7 @@ class GraphRunner(SpeculatorRunner):
         return self.speculator.graphs.summary()
 
     def receive(self, inputs: Any) -> Any:
-        from perf.harness import as_target_outputs
+        from vllm_on_cpu.harness import as_target_outputs
 
         # Above the target's largest graph the target ran eagerly: fresh tensors.
         if self.target is None or inputs.num_tokens > len(
@@ -166,7 +166,7 @@ class SpeculatorEngine(Engine):
 
     def __init__(self, params: Params, graph_backend: str = "cuda"):
         from cg_extract.plugin import register
-        from perf.harness import write_model_dir
+        from vllm_on_cpu.harness import write_model_dir
 
         super().__init__(params)
         # "emulated" only for tests that check the graph path's bytes on CPU.
@@ -186,7 +186,7 @@ class SpeculatorEngine(Engine):
         return self._block_size
 
     def vllm_config(self, **our_keys: Any):
-        from perf.harness import build_vllm_config
+        from vllm_on_cpu.harness import build_vllm_config
 
         p = self.params
         max_tokens = max(p.max_tokens, max(p.capture_sizes))
@@ -204,7 +204,7 @@ class SpeculatorEngine(Engine):
         return -(-self.params.max_tokens // block_size) + 1
 
     def make_inputs(self, num_tokens: int, generator: torch.Generator):
-        from perf.harness import make_step_inputs
+        from vllm_on_cpu.harness import make_step_inputs
 
         return make_step_inputs(self.reference.loaded, num_tokens, generator)
 

@@ -42,7 +42,6 @@ from perf.engines import (
     engine_module,
     estimate_bytes,
 )
-from perf.harness import DTYPES
 from perf.measure import (
     Timings,
     copy_bandwidth,
@@ -54,6 +53,7 @@ from perf.measure import (
     time_steps,
 )
 from perf.nvml import NvmlSampler, nvml_index
+from vllm_on_cpu.harness import DTYPES
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ DEFAULTS = {
 # --engine vllm: (prompt length, decode tokens) by device.
 VLLM_LENGTHS = {"cuda": (2048, 128), "cpu": (64, 16)}
 # The model column of a run on the tiny model (its folder is temporary).
-DUMMY_MODEL = "tiny dummy Llama (perf.harness.write_model_dir)"
+DUMMY_MODEL = "tiny dummy Llama (vllm_on_cpu.harness.write_model_dir)"
 KERNEL_BLOCK_SIZE = 16
 # The copy that measures the bandwidth floor: large enough to leave every cache.
 COPY_BYTES = {"cuda": 2**30, "cpu": 2**28}

@@ -8,14 +8,14 @@ serving the same prompts in four modes, the users' measure of extraction.
 
 Every mode but ``baseline`` saves each request's hidden states through a
 hidden-states connector (vLLM's ``ExampleHiddenStatesConnector`` on a GPU,
-:mod:`perf.cpu_hidden_states_connector` on a CPU), and ``--clients``
+:mod:`vllm_on_cpu.hidden_states_connector` on a CPU), and ``--clients``
 clients each read their request's file back as it finishes, as vLLM's
 ``benchmarks/benchmark_hidden_state_extraction.py`` does. The workload:
 ``prefill`` (``max_tokens=1``: data generation) or ``decode`` (``--max-tokens``
 generated per prompt, their hidden states saved too). A size is the number
 of prompts in one run.
 
-On a CPU the engine starts as the e2e tests start it (:mod:`perf.cpu_engine`:
+On a CPU the engine starts as the e2e tests start it (:mod:`vllm_on_cpu.engine`:
 Triton's interpreter, the stand-in backend, the worker that captures our
 graphs, emulated), with a tiny dummy Llama unless ``--model`` names one.
 Its timings are the CPU's, not a GPU's.
@@ -68,7 +68,7 @@ CPU_CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64]
 
 def prepare(device: str) -> None:
     """Make this process able to start the engine on ``device``, or exit
-    with the reason. On a CPU: the environment of :mod:`perf.cpu_engine`,
+    with the reason. On a CPU: the environment of :mod:`vllm_on_cpu.engine`,
     which must be in place before ``vllm`` is first imported."""
     if device == "cpu":
         if "vllm" in sys.modules and "TRITON_INTERPRET" not in os.environ:
@@ -77,7 +77,7 @@ def prepare(device: str) -> None:
                 "before vLLM is imported, and this process imported vLLM "
                 "already; run perf/sweep.py in a fresh process"
             )
-        from perf.cpu_engine import enter_cpu_env
+        from vllm_on_cpu.engine import enter_cpu_env
 
         enter_cpu_env()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
@@ -101,10 +101,10 @@ def prepare(device: str) -> None:
 
 def engine_kwargs(args: Any, mode: str, storage: Path) -> dict[str, Any]:
     """``AsyncEngineArgs`` keywords of ``mode``."""
-    from perf import cpu_engine
-    from perf.cpu_hidden_states_connector import kv_transfer_config
-    from perf.engine_probe import EXTENSION
-    from perf.harness import emulated_graph_keys, speculative_config
+    from vllm_on_cpu import engine as cpu_engine
+    from vllm_on_cpu.engine_probe import EXTENSION
+    from vllm_on_cpu.harness import emulated_graph_keys, speculative_config
+    from vllm_on_cpu.hidden_states_connector import kv_transfer_config
 
     cpu = args.device == "cpu"
     kwargs: dict[str, Any] = {
@@ -321,7 +321,7 @@ def run(args: Any, sampler: Any, emit: Callable[[list[dict[str, Any]]], None]) -
     """Run the modes one engine at a time; emit each mode's rows as it ends."""
     load_our_plugin()
     if args.dummy_model:
-        from perf.harness import write_model_dir
+        from vllm_on_cpu.harness import write_model_dir
 
         args.model = str(write_model_dir(Path(tempfile.mkdtemp()) / "model"))
     storage = Path(

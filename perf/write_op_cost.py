@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from torch.library import Library  # noqa: E402
 
 from cg_extract import cache_write, write_op  # noqa: E402
-from perf.harness import DTYPES  # noqa: E402
+from vllm_on_cpu.harness import DTYPES  # noqa: E402
 
 BLOCK_SIZE = 16
 

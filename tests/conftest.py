@@ -16,7 +16,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """A tiny Llama config.json: all vLLM needs with load_format='dummy'."""
-    from perf.harness import write_model_dir
+    from vllm_on_cpu.harness import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("model"))
 

@@ -6,7 +6,7 @@ its final write, ``_write_tensors``: quantize to ``float8_e4m3fn`` with one
 scale per token, ``save_file``, release the lock. The CUDA stream hand-off it
 inherits (``_submit_async_write``: a copy on a side stream into pinned memory,
 an event) cannot run on a CPU-only torch, so this subclass takes that one
-method from :class:`perf.cpu_hidden_states_connector.CPUHiddenStatesConnector`
+method from :class:`vllm_on_cpu.hidden_states_connector.CPUHiddenStatesConnector`
 (the same rows, extracted at once, handed to ``_write_tensors``, here the
 package's). Everything else, the quantizing write included, is the package's.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from hs_connectors.fp8_hidden_states_connector import FP8HiddenStatesConnector
 
-from perf.cpu_hidden_states_connector import CPUHiddenStatesConnector
+from vllm_on_cpu.hidden_states_connector import CPUHiddenStatesConnector
 
 
 class CPUFP8HiddenStatesConnector(FP8HiddenStatesConnector):

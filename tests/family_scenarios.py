@@ -1,7 +1,7 @@
 """Scenarios on each model family, one engine after another in one process.
 
 ``python -m tests.family_scenarios WAY WORKDIR OUT_JSON FAMILY...`` (in the
-environment of :func:`perf.cpu_engine.engine_env`) writes each family's
+environment of :func:`vllm_on_cpu.engine.engine_env`) writes each family's
 tiny config under ``WORKDIR/<family>/model``, starts ``LLM`` on it with the
 engine core in-process, runs that family's scenarios
 (:data:`FAMILY_SCENARIOS`, from :mod:`tests.generate_scenarios`), waits for
@@ -25,9 +25,9 @@ from typing import Any
 from vllm import LLM
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-from perf.cpu_engine import WAYS, EngineRun, engine_env, engine_kwargs
 from tests.generate_scenarios import Run
 from tests.model_families import FAMILIES, family_config, write_family_dir
+from vllm_on_cpu.engine import WAYS, EngineRun, engine_env, engine_kwargs
 
 # What each family runs (see tests/test_e2e_families.py for why).
 FAMILY_SCENARIOS = {
@@ -37,7 +37,7 @@ FAMILY_SCENARIOS = {
     "qwen3_next": ["chunked_prefill", "prefix_cache_hits", "decode"],
     "deepseek_v2": ["decode", "many_prompt_lengths"],
 }
-# Engine keywords a family needs beyond perf.cpu_engine.engine_kwargs'.
+# Engine keywords a family needs beyond vllm_on_cpu.engine.engine_kwargs'.
 FAMILY_ENGINE: dict[str, dict[str, Any]] = {
     # Its two attention groups set the common page; the hidden-state group's
     # block holds 8 tokens of it, so 32 blocks would not hold one request.

@@ -1,7 +1,7 @@
 """The ``LLM.generate`` scenarios, run by one engine of one way, in its process.
 
 ``python -m tests.generate_scenarios WAY MODEL_DIR STORAGE OUT_JSON`` (in the
-environment of :func:`perf.cpu_engine.engine_env`) starts ``LLM`` with its
+environment of :func:`vllm_on_cpu.engine.engine_env`) starts ``LLM`` with its
 engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; TP workers are
 still processes of their own), runs the scenarios in turn, waits for
 the connector's files, and writes to ``OUT_JSON``, per scenario, each
@@ -28,7 +28,7 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from perf.cpu_engine import (
+from vllm_on_cpu.engine import (
     MAX_NUM_BATCHED_TOKENS,
     WAYS,
     EngineRun,
@@ -36,7 +36,7 @@ from perf.cpu_engine import (
     engine_kwargs,
     lock_is_free,
 )
-from perf.cpu_hidden_states_connector import (
+from vllm_on_cpu.hidden_states_connector import (
     CPUHiddenStatesConnector,
     kv_transfer_config,
 )

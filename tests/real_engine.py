@@ -1,4 +1,4 @@
-"""What the e2e tests add to :mod:`perf.cpu_engine`: skipping where the CPU
+"""What the e2e tests add to :mod:`vllm_on_cpu.engine`: skipping where the CPU
 engine cannot run, an engine failure as a test failure, saved files compared."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 import pytest
 import torch
 
-from perf.cpu_engine import CAPTURE_SIZES, EngineFailed, EngineRun
-from perf.cpu_engine import run_engines as run_engine_processes
 from tests.write_cases import same_bytes
+from vllm_on_cpu.engine import CAPTURE_SIZES, EngineFailed, EngineRun
+from vllm_on_cpu.engine import run_engines as run_engine_processes
 
 
 def require_cpu_engine() -> None:
@@ -22,7 +22,7 @@ def require_cpu_engine() -> None:
 
 
 def run_engines(runs: Sequence[EngineRun], timeout: float) -> None:
-    """:func:`perf.cpu_engine.run_engines`, failing the test with the logs."""
+    """:func:`vllm_on_cpu.engine.run_engines`, failing the test with the logs."""
     try:
         run_engine_processes(runs, timeout)
     except EngineFailed as why:

@@ -1,7 +1,7 @@
 """KV connectors in graph mode get the eager layer's hooks, exactly.
 
 The connectors are created as a GPU worker creates them
-(``perf.harness.worker_connector``): vLLM's
+(``vllm_on_cpu.harness.worker_connector``): vLLM's
 ``ensure_kv_transfer_initialized`` (a one-process gloo group stands in for the
 worker's distributed setup), wrapped in MRv2's ``ActiveKVConnector``, which
 binds each step's metadata (built by the scheduler-side connector) before the
@@ -24,7 +24,9 @@ from cg_extract import target_buffers
 from cg_extract.cudagraph_manager import CudaGraphManager
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from perf.harness import (
+from tests import recording_connectors
+from tests.recording_connectors import CALLS, HookFailed, HookInGraphWork
+from vllm_on_cpu.harness import (
     attach_target_graph_outputs,
     build_vllm_config,
     emulated_graph_keys,
@@ -33,8 +35,6 @@ from perf.harness import (
     single_process_group,
     worker_connector,
 )
-from tests import recording_connectors
-from tests.recording_connectors import CALLS, HookFailed, HookInGraphWork
 
 MODULE = "tests.recording_connectors"
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]

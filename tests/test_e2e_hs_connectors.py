@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from perf.cpu_engine import AUX_LAYER_IDS, WAYS
 from tests.cpu_mooncake_hidden_states_connector import mooncake_master
 from tests.generate_scenarios import scenario_run
 from tests.openai_server import free_port
 from tests.real_engine import require_cpu_engine, run_engines
 from tests.write_cases import same_bytes
+from vllm_on_cpu.engine import AUX_LAYER_IDS, WAYS
 
 pytestmark = pytest.mark.e2e
 

@@ -4,7 +4,7 @@ in-process ``LLM.generate`` of the same prompts with vLLM's own speculator.
 
 The server is started as a user starts it, plus two test-only settings: our
 keys name the ``emulated`` backend, and ``--worker-cls`` names
-:mod:`perf.cpu_engine_worker`, which captures our graphs after the worker's
+:mod:`vllm_on_cpu.worker`, which captures our graphs after the worker's
 start-up as a GPU worker would (on a CPU vLLM never captures). So the
 server's steps replay our graphs, and ``VLLM_SERVER_DEV_MODE``'s
 ``/collective_rpc`` lets the test read ``cudagraph_stats()`` back.
@@ -16,16 +16,16 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import asyncio
 
-from perf.cpu_engine import (
+from tests.generate_scenarios import scenario_run, server_prompts
+from tests.openai_server import request, serve
+from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
+from tests.users_client import fetch_all
+from vllm_on_cpu.engine import (
     CAPTURE_SIZES,
     engine_env,
     engine_kwargs,
     load_saved,
 )
-from tests.generate_scenarios import scenario_run, server_prompts
-from tests.openai_server import request, serve
-from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
-from tests.users_client import fetch_all
 
 pytestmark = pytest.mark.e2e
 

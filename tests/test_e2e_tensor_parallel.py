@@ -27,13 +27,13 @@ import shutil
 
 import torch
 
-from perf.cpu_engine import (
-    AUX_LAYER_IDS,
-    load_saved,
-)
 from tests.generate_scenarios import scenario_run
 from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
 from tests.write_cases import same_bytes
+from vllm_on_cpu.engine import (
+    AUX_LAYER_IDS,
+    load_saved,
+)
 
 pytestmark = pytest.mark.e2e
 

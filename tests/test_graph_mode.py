@@ -38,7 +38,8 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from cg_extract.cache_backend import ExtractCacheMetadataBuilder
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from perf.harness import (
+from tests.model_families import family_config, write_family_dir
+from vllm_on_cpu.harness import (
     LoadedSpeculator,
     _cpu_safe_model_loading,
     build_vllm_config,
@@ -46,7 +47,6 @@ from perf.harness import (
     make_step_inputs,
     single_process_parallel_state,
 )
-from tests.model_families import family_config, write_family_dir
 
 CPU = torch.device("cpu")
 SIZES = [1, 2, 4, 8, 16]

@@ -48,7 +48,7 @@ from cg_extract.config import ExtractGraphConfig
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
 from cg_extract.vllm_graphs import SpeculatorGraphs
-from perf.harness import (
+from vllm_on_cpu.harness import (
     TargetGraphOutputs,
     _SlotMappingsOnly,
     build_vllm_config,
@@ -541,7 +541,7 @@ from pathlib import Path
 from vllm.config import set_current_vllm_config
 from vllm.config.compilation import CUDAGraphMode
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from perf.harness import build_vllm_config, emulated_graph_keys, load_speculator
+from vllm_on_cpu.harness import build_vllm_config, emulated_graph_keys, load_speculator
 model = Path({str(model_dir)!r})
 keys = emulated_graph_keys([1, 2])
 eager = load_speculator(ExtractHiddenStatesSpeculator, build_vllm_config(model, **keys))

@@ -21,7 +21,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from cg_extract import plugin
 from cg_extract.config import ExtractGraphConfig
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from perf.harness import build_vllm_config, speculative_config
+from vllm_on_cpu.harness import build_vllm_config, speculative_config
 
 OURS = {
     "cudagraph": True,
@@ -119,7 +119,7 @@ def test_keys_survive_pickling_to_workers(model_dir):
 def test_init_speculator_builds_ours_with_and_without_graphs(model_dir):
     from vllm.v1.worker.gpu.spec_decode import init_speculator
 
-    from perf.harness import _cpu_safe_model_loading
+    from vllm_on_cpu.harness import _cpu_safe_model_loading
 
     for cudagraph in (False, True):
         cfg = build_vllm_config(

@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from perf.harness import (
+from vllm_on_cpu.harness import (
     build_vllm_config,
     load_speculator,
     make_step_inputs,

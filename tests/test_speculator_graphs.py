@@ -12,7 +12,7 @@ from vllm.v1.worker.gpu.dp_utils import DPSyncState
 
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from perf.harness import (
+from vllm_on_cpu.harness import (
     build_vllm_config,
     emulated_graph_keys,
     load_speculator,

@@ -13,14 +13,14 @@ from vllm.config.compilation import CUDAGraphMode
 from cg_extract import target_buffers
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from perf.harness import (
+from perf.measure import count_step, graph_steps_kept
+from vllm_on_cpu.harness import (
     attach_target_graph_outputs,
     build_vllm_config,
     emulated_graph_keys,
     load_speculator,
     make_step_inputs,
 )
-from perf.measure import count_step, graph_steps_kept
 
 SIZES = [1, 2, 4, 8, 16, 24, 32]
 OP = "cg_extract.write_hidden_states.default"

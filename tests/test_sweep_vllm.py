@@ -1,7 +1,7 @@
 """``perf/sweep.py --engine vllm``: vLLM's real engine, mode by mode.
 
 The whole sweep runs here as a user runs it on a CPU (a process of its own,
-the tiny dummy model, the CPU engine of :mod:`perf.cpu_engine`); the unit
+the tiny dummy model, the CPU engine of :mod:`vllm_on_cpu.engine`); the unit
 tests below check its arguments and its one-engine-at-a-time schedule.
 """
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from perf import report, sweep, vllm_engine
-from perf.cpu_engine import log_tail
+from vllm_on_cpu.engine import log_tail
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_SIZES = " ".join(map(str, vllm_engine.CPU_CAPTURE_SIZES))
@@ -80,7 +80,7 @@ def test_each_mode_gets_its_speculator_and_connector(device, tmp_path):
         assert connector == "ExampleHiddenStatesConnector"
         assert (
             kwargs["upstream"]["worker_extension_cls"]
-            == "perf.engine_probe.EngineProbe"
+            == "vllm_on_cpu.engine_probe.EngineProbe"
         )
     assert all(k["gpu_memory_utilization"] == 0.35 for k in kwargs.values())
 

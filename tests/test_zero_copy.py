@@ -14,7 +14,7 @@ from cg_extract.emulated_graph import StaticMemoryViolation
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
 from cg_extract.write_graphs import WriteGraphs
-from perf.harness import (
+from vllm_on_cpu.harness import (
     attach_target_graph_outputs,
     build_vllm_config,
     emulated_graph_keys,

@@ -11,7 +11,7 @@ planning after the KV cache is bound comes to the same), then ``capture()`` in t
 ``capture_model``). It does that for every speculator; vLLM's own class and
 ours with ``cudagraph`` false capture nothing.
 
-Its other methods (and :class:`perf.engine_probe.EngineProbe`'s) are for
+Its other methods (and :class:`vllm_on_cpu.engine_probe.EngineProbe`'s) are for
 tests and the sweep to call through ``collective_rpc`` (``LLM.collective_rpc``,
 ``AsyncLLM.collective_rpc`` or the server's dev-mode ``/collective_rpc``).
 With data parallelism the server's ``/collective_rpc`` reaches one engine
@@ -32,7 +32,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.workspace import use_workspace_lane
 
-from perf.engine_probe import EngineProbe
+from vllm_on_cpu.engine_probe import EngineProbe
 
 # vLLM's default mode, as a GPU runner keeps it when every attention backend
 # supports FULL graphs; ours captures under it.

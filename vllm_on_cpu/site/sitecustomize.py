@@ -10,7 +10,7 @@ says it is active is all the check needs.
 It must be in place before ``vllm`` is first imported, in every process that
 imports it, engine processes and TP workers spawned by vLLM included: Python
 imports ``sitecustomize`` at start-up from ``sys.path``, so the tests put this
-folder on ``PYTHONPATH`` (:mod:`perf.cpu_engine`). Nothing happens without
+folder on ``PYTHONPATH`` (:mod:`vllm_on_cpu.engine`). Nothing happens without
 ``TRITON_INTERPRET=1``.
 """
 

@@ -5,7 +5,7 @@ engine: the ``VllmConfig`` (with ``load_format="dummy"``, no weights), the
 cache-only draft model, its KV cache and the runner's ``InputBatch``. Tests
 and ``perf/sweep.py`` build them here, so both drive the same code a GPU
 worker runs between ``init_speculator`` and ``propose``, step by step. (The
-whole engine runs on a CPU too, in subprocesses: ``perf/cpu_engine.py``.)
+whole engine runs on a CPU too, in subprocesses: ``vllm_on_cpu/engine.py``.)
 """
 
 from __future__ import annotations

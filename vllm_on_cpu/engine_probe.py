@@ -2,7 +2,7 @@
 
 Mixed into the worker with vLLM's own ``worker_extension_cls`` engine
 argument (``--worker-extension-cls``) on a GPU, and a base of
-:class:`perf.cpu_engine_worker.SpeculatorGraphsCPUWorker` on a CPU, so that
+:class:`vllm_on_cpu.worker.SpeculatorGraphsCPUWorker` on a CPU, so that
 the sweep and the tests read the same values from the same runner: the
 graph mode the runner resolved, and the speculator's class, graphs and
 replays.

