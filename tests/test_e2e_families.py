@@ -56,13 +56,14 @@ from tests.real_engine import (
     assert_runs_its_speculator,
     assert_same_saves,
     require_cpu_engine,
-    run_engines,
 )
 from vllm_on_cpu.engine import (
     AUX_LAYER_IDS,
     MAX_NUM_BATCHED_TOKENS,
     WAYS,
+    EngineFailed,
     load_saved,
+    run_engines,
 )
 
 pytestmark = pytest.mark.e2e
@@ -92,18 +93,41 @@ CASES = [(f, s) for f, scenarios in FAMILY_SCENARIOS.items() for s in scenarios]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def all_results(tmp_path_factory):
     """Each way's results, per family, per scenario (and the family's
-    ``kv_cache_groups``)."""
+    ``kv_cache_groups``), or per family its engine's error; a process that
+    died or hung, for the families it did not reach."""
     require_cpu_engine()
     workdir = tmp_path_factory.mktemp("e2e_families")
     runs = {way: family_run(way, list(FAMILY_SCENARIOS), workdir) for way in WAYS}
-    run_engines(list(runs.values()), timeout=900)
-    return {way: run_results(workdir, way) for way in WAYS}
+    try:
+        run_engines(list(runs.values()), timeout=900)
+        died = ""
+    except EngineFailed as why:
+        died = str(why)
+    return {way: run_results(workdir, way, died) for way in WAYS}
 
 
-def run_results(workdir, way):
-    return json.loads((workdir / f"{way}.json").read_text())
+def run_results(workdir, way, died: str) -> dict:
+    path = workdir / f"{way}.json"
+    got = json.loads(path.read_text()) if path.exists() else {}
+    for family in FAMILY_SCENARIOS:
+        got.setdefault(family, {"error": f"never finished: {died}"})
+    return got
+
+
+def family_results(all_results: dict, family: str) -> dict:
+    """``{way: family's results}``; a way whose engine failed on ``family``
+    fails the test with vLLM's error (one family's failure is its own)."""
+    errors = {
+        way: got[family]["error"]
+        for way, got in all_results.items()
+        if "error" in got[family]
+    }
+    if errors:
+        detail = "\n".join(f"{way}: {error}" for way, error in errors.items())
+        pytest.fail(f"the engine failed on {family}:\n{detail}", pytrace=False)
+    return {way: got[family] for way, got in all_results.items()}
 
 
 def stats(scenario: dict, when: str) -> dict:
@@ -116,11 +140,12 @@ def test_every_family_is_run():
 
 
 @pytest.mark.parametrize("family", FAMILY_SCENARIOS)
-def test_each_family_has_its_kv_cache_groups(results, family):
+def test_each_family_has_its_kv_cache_groups(all_results, family):
     """Ours changes nothing in vLLM's layout: every way gets the same groups,
     the ones the family is here for."""
+    results = family_results(all_results, family)
     for way in WAYS:
-        groups = results[way][family]["kv_cache_groups"]
+        groups = results[way]["kv_cache_groups"]
         got = [(g["spec"], g["layers"], g["block_size"]) for g in groups]
         assert got == GROUPS[family], (family, way)
         # One page size for all (vLLM's rule for several groups).
@@ -128,16 +153,18 @@ def test_each_family_has_its_kv_cache_groups(results, family):
 
 
 @pytest.mark.parametrize("family", FAMILY_SCENARIOS)
-def test_each_way_runs_its_speculator(results, family):
+def test_each_way_runs_its_speculator(all_results, family):
+    results = family_results(all_results, family)
     for way in WAYS:
         for name in FAMILY_SCENARIOS[family]:
-            after = stats(results[way][family][name], "stats_after")
+            after = stats(results[way][name], "stats_after")
             assert_runs_its_speculator(way, after, f"{family} {name} {way}")
 
 
 def shows_what_it_is_named_for(scenario: str, requests: list[dict], evidence: dict):
     """The scenario did what it is named for, in vLLM's run (the others must
     match it request by request)."""
+    assert requests, f"{scenario}: no requests (every all() below would hold)"
     if scenario == "chunked_prefill":
         assert evidence["max_num_batched_tokens"] == MAX_NUM_BATCHED_TOKENS
         assert all(len(r["prompt"]) > MAX_NUM_BATCHED_TOKENS for r in requests)
@@ -157,11 +184,15 @@ def shows_what_it_is_named_for(scenario: str, requests: list[dict], evidence: di
 
 
 @pytest.mark.parametrize(("family", "scenario"), CASES)
-def test_three_ways_save_the_same_bytes(results, family, scenario):
-    reference = results["vllm"][family][scenario]
+def test_three_ways_save_the_same_bytes(all_results, family, scenario):
+    results = family_results(all_results, family)
+    reference = results["vllm"][scenario]
     shows_what_it_is_named_for(scenario, reference["requests"], reference["evidence"])
     hidden_size = family_config(family)["hidden_size"]
     dtype = getattr(torch, family_dtype(family))
+    for way in ("eager", "graphs"):
+        got = results[way][scenario]["requests"]
+        assert len(got) == len(reference["requests"]), way
     for i, want in enumerate(reference["requests"]):
         saved = load_saved(want["path"])
         # The connector's contract, on vLLM's own run: the prompt's rows and
@@ -174,7 +205,7 @@ def test_three_ways_save_the_same_bytes(results, family, scenario):
         assert hidden.dtype == dtype
         assert bool((hidden.abs().sum(dim=(1, 2)) > 0).all()), "a row never written"
         for way in ("eager", "graphs"):
-            got = results[way][family][scenario]["requests"][i]
+            got = results[way][scenario]["requests"][i]
             what = f"{family}, {scenario}, request {i}, {way} against vLLM's"
             assert got["output"] == want["output"], what
             assert (got["finish_reason"], got["cached"]) == (
@@ -182,10 +213,6 @@ def test_three_ways_save_the_same_bytes(results, family, scenario):
                 want["cached"],
             ), what
             assert_same_saves(load_saved(got["path"]), saved, what)
-    for way in ("eager", "graphs"):
-        assert len(results[way][family][scenario]["requests"]) == len(
-            reference["requests"]
-        )
 
 
 def delta(scenario: dict, key: str) -> int:
@@ -194,10 +221,11 @@ def delta(scenario: dict, key: str) -> int:
 
 
 @pytest.mark.parametrize(("family", "scenario"), CASES)
-def test_the_graph_run_replayed(results, family, scenario):
+def test_the_graph_run_replayed(all_results, family, scenario):
     """Every scenario has steps of up to 32 tokens (decodes, a prefix hit's
     remainder, a chunk's tail), which replay; the eager run never does."""
-    graphs, eager = results["graphs"][family], results["eager"][family]
+    results = family_results(all_results, family)
+    graphs, eager = results["graphs"], results["eager"]
     assert delta(graphs[scenario], "copy_in_replays") > 0
     assert delta(graphs[scenario], "zero_copy_replays") == 0  # no target graphs
     assert delta(eager[scenario], "replays") == 0

