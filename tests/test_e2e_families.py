@@ -230,3 +230,27 @@ def test_the_graph_run_replayed(all_results, family, scenario):
     assert delta(graphs[scenario], "zero_copy_replays") == 0  # no target graphs
     assert delta(eager[scenario], "replays") == 0
     assert delta(eager[scenario], "eager_steps") > 0
+
+
+def test_a_family_that_fails_is_reported_as_its_own(tmp_path):
+    """The engine process records a family's exception and runs the next
+    family; the tests of that family fail with the error, the others get
+    their results (no engine here: ``run`` stands in for ``run_family``)."""
+    from tests.family_scenarios import run_families
+
+    def run(way, family, workdir):
+        if family == "qwen3_moe":
+            raise RuntimeError("expect weight to be bfloat16")
+        return {"ran": family}
+
+    out = tmp_path / "vllm.json"
+    run_families("vllm", ["qwen3", "qwen3_moe", "gpt_oss"], tmp_path, out, run=run)
+    got = {way: run_results(tmp_path, "vllm", died="") for way in ["vllm"]}
+    assert got["vllm"]["qwen3"] == {"ran": "qwen3"}
+    assert got["vllm"]["gpt_oss"] == {"ran": "gpt_oss"}
+    assert family_results(got, "gpt_oss") == {"vllm": {"ran": "gpt_oss"}}
+    with pytest.raises(pytest.fail.Exception, match="qwen3_moe:\nvllm: Runtime"):
+        family_results(got, "qwen3_moe")
+    # A family the process never reached is its own failure too.
+    with pytest.raises(pytest.fail.Exception, match="never finished"):
+        family_results(got, "deepseek_v2")
