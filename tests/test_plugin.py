@@ -217,16 +217,24 @@ from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 warnings = []
 logging.getLogger("vllm.cg_extract.plugin").addFilter(
     lambda r: warnings.append(r.getMessage()) or True)
-before = (upstream.ExtractHiddenStatesSpeculator, ModelCudaGraphManager.capture,
-          EngineArgs.create_engine_config)
-load_general_plugins()
-after = (upstream.ExtractHiddenStatesSpeculator, ModelCudaGraphManager.capture,
-         EngineArgs.create_engine_config)
 common = dict(model={model!r}, load_format="dummy", skip_tokenizer_init=True,
               dtype="float32")
 spec = {{"method": "extract_hidden_states", "num_speculative_tokens": 1,
         "draft_model_config": {{"hf_config":
             {{"eagle_aux_hidden_state_layer_ids": [1]}}}}}}
+# The class's own entries (__dict__: no descriptor runs), and the method a
+# config without our keys is built with, looked up as vLLM looks it up.
+def own(cls, name):
+    return cls.__dict__[name]
+def build_method():
+    args = EngineArgs(**common, speculative_config=dict(spec))
+    return args.create_engine_config.__func__
+before = (upstream.ExtractHiddenStatesSpeculator,
+          own(ModelCudaGraphManager, "capture"), build_method())
+load_general_plugins()
+after = (upstream.ExtractHiddenStatesSpeculator,
+         own(ModelCudaGraphManager, "capture"), build_method())
+gate = type(own(EngineArgs, "create_engine_config")).__name__
 cfg = EngineArgs(**common, speculative_config=dict(spec)).create_engine_config()
 refusals = []
 for extra in ({{"speculative_config": {{**spec, "cudagraph": True}}}},
@@ -238,7 +246,7 @@ for extra in ({{"speculative_config": {{**spec, "cudagraph": True}}}},
     except ValueError as error:
         refusals.append(str(error))
 print(json.dumps(dict(
-    unchanged=[a is b for a, b in zip(before, after)],
+    unchanged=[a is b for a, b in zip(before, after)], gate=gate,
     speculator=type(cfg.speculative_config).__name__,
     method=cfg.speculative_config.method,
     warnings=warnings, refusals=refusals)))
@@ -247,16 +255,19 @@ print(json.dumps(dict(
 
 def test_an_untested_vllm_runs_as_without_the_plugin(model_dir):
     """On a vLLM we have not tested, loading plugins swaps and wraps nothing
-    (the speculator class, the target's capture and the config build are
-    vLLM's own), a config without our keys builds, one warning says why, and
-    only configs that give our keys are refused, naming the tested versions
-    and the way out."""
+    a user without our keys runs (the speculator class, the target's capture,
+    and the method their config is built with are vLLM's own objects; the
+    class's ``create_engine_config`` entry is our gate, a descriptor that
+    hands those users vLLM's method itself), a config without our keys
+    builds, one warning says why, and only configs that give our keys are
+    refused, naming the tested versions and the way out."""
     proc = run_python(
         UNTESTED_VLLM.format(version="0.40.0", model=str(model_dir)), None
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["unchanged"] == [True, True, True]
+    assert result["gate"] == "_ConfigGate"
     assert result["method"] == "extract_hidden_states"
     (warning,) = result["warnings"]
     assert "tested with vLLM 0.32 and 0.33 only; vLLM 0.40.0 is installed" in warning
