@@ -27,10 +27,20 @@ from vllm_on_cpu.engine import EngineRun, cli_args, stop
 HOST = "127.0.0.1"
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` different free ports: each socket stays bound until all are, so
+    the kernel cannot hand one port out twice (ports freed one at a time
+    can come back)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    (port,) = free_ports(1)
+    return port
 
 
 def request(url: str, body: Mapping[str, Any] | None = None, timeout: float = 30.0):

@@ -18,7 +18,8 @@ must quantize to the FP8 files' bytes.
 import pytest
 
 pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
-pytest.importorskip("hs_connectors")
+# hs-connectors is a declared test dependency (pyproject's test extra): no
+# importorskip, a broken install is an error below, not a silent skip.
 
 import json
 from pathlib import Path
@@ -28,7 +29,7 @@ from safetensors.torch import load_file
 
 from tests.cpu_mooncake_hidden_states_connector import mooncake_master
 from tests.generate_scenarios import scenario_run
-from tests.openai_server import free_port
+from tests.openai_server import free_ports
 from tests.real_engine import require_cpu_engine, run_engines
 from tests.write_cases import same_bytes
 from vllm_on_cpu.engine import AUX_LAYER_IDS, WAYS
@@ -53,8 +54,7 @@ def runs(model_dir, tmp_path_factory):
         )
     common = [model_dir, workdir, "--scenarios", SCENARIO, "--connector"]
     runs = {way: scenario_run(f"fp8_{way}", way, *common, "fp8") for way in WAYS}
-    ports = [free_port(), free_port()]
-    with mooncake_master(*ports, workdir / "mooncake_master.log") as master:
+    with mooncake_master(*free_ports(2), workdir / "mooncake_master.log") as master:
         runs["mooncake"] = scenario_run(
             "mooncake", "graphs", *common, "mooncake", "--mooncake-master", master
         )
@@ -126,3 +126,10 @@ def test_mooncake_samples_are_the_fp8_files_before_quantizing(runs):
         states, scales = quantize_tensor_to_fp8(sample["hidden_states"])
         assert same_bytes(states, file["hidden_states"]), f"request {i}"
         assert same_bytes(scales, file["hidden_states_scales"]), f"request {i}"
+
+
+def test_free_ports_are_different():
+    """The master's two ports (and any others taken together) never
+    coincide; ports taken one at a time often do, within a few hundred."""
+    ports = free_ports(500)
+    assert len(set(ports)) == len(ports)
