@@ -45,14 +45,18 @@ class StepLog:
     """One JSON line per step this rank ran: ``scheduled`` (request id to the
     tokens the scheduler gave this rank), ``replayed`` (the sizes of the graphs
     replayed, as the graph managers returned them) and the speculator's
-    ``cudagraph_stats()`` after it. Written as each step ends, so a server
-    stopped by a signal has lost nothing."""
+    ``cudagraph_stats()`` after it, and ``dp_synced``: whether the runner
+    handed ``propose`` a ``dp_sync_state`` (the DP ranks' token counts) in
+    that step. Written as each step ends, so a server stopped by a signal has
+    lost nothing."""
 
     def __init__(self, path: Path, speculator: Any):
         self.path = path
         self.speculator = speculator
         self.pending: deque[dict[str, int]] = deque()
         self.replayed: list[int] = []
+        self.dp_synced: list[bool] = []
+        speculator.propose = self._recording_dp(speculator.propose)
         graphs = speculator.graphs
         for manager in (graphs.copy_in, graphs.zero_copy) if graphs else ():
             if manager is not None:
@@ -77,6 +81,13 @@ class StepLog:
 
         return recorded
 
+    def _recording_dp(self, propose):
+        def recorded(*args: Any, **kwargs: Any):
+            self.dp_synced.append(kwargs.get("dp_sync_state") is not None)
+            return propose(*args, **kwargs)
+
+        return recorded
+
     def scheduled(self, num_scheduled_tokens: dict[str, int]) -> None:
         if num_scheduled_tokens:
             self.pending.append(dict(num_scheduled_tokens))
@@ -85,9 +96,10 @@ class StepLog:
         line = {
             "scheduled": self.pending.popleft(),
             "replayed": self.replayed,
+            "dp_synced": self.dp_synced,
             "stats": self.speculator.cudagraph_stats(),
         }
-        self.replayed = []
+        self.replayed, self.dp_synced = [], []
         with open(self.path, "a") as out:
             out.write(json.dumps(line) + "\n")
 
