@@ -87,6 +87,7 @@ def _preemption(requests, evidence):
 def _aborted(requests, evidence):
     by_name = {r["name"]: r for r in requests}
     victim = by_name.pop(evidence["aborted"])
+    assert by_name, "no request besides the aborted one"
     assert victim["finish_reason"] == "abort"
     assert len(victim["output"]) == evidence["aborted_after_tokens"] < 30
     assert all(len(r["output"]) == 30 for r in by_name.values())
@@ -113,6 +114,8 @@ def test_every_scenario_is_checked():
 @pytest.mark.parametrize("scenario", GENERATE_SCENARIOS)
 def test_three_ways_save_the_same_bytes(results, scenario):
     reference = results["vllm"][scenario]
+    # Non-empty, or every all() of SHOWS would hold and the loop check nothing.
+    assert reference["requests"], f"{scenario}: vLLM's run made no requests"
     SHOWS[scenario](reference["requests"], reference["evidence"])
     for i, want in enumerate(reference["requests"]):
         saved = load_saved(want["path"])

@@ -104,7 +104,9 @@ def test_the_packages_reader_reads_them(runs, model_dir):
             assert states.shape == (len(tokens), len(AUX_LAYER_IDS), hidden_size)
             assert torch.isfinite(states).all() and states.abs().amax() > 0
             samples.setdefault(i, []).append(states)
+    assert samples, "no request read back"
     for i, states in samples.items():
+        assert len(states) == len(WAYS), f"request {i}"
         assert all(same_bytes(s, states[0]) for s in states), f"request {i}"
 
 
