@@ -71,7 +71,11 @@ def test_our_tests_package_wins_over_an_installed_one(tmp_path):
     (installed / "__init__.py").write_text("")
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{installed.parent}"}
     done = subprocess.run(
-        [sys.executable, "-c", "import tests.write_cases, tests; print(tests.__file__)"],
+        [
+            sys.executable,
+            "-c",
+            "import tests.write_cases, tests; print(tests.__file__)",
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
