@@ -117,8 +117,9 @@ class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
         speculator.init_cudagraph_manager(GPU_MODE)
         with use_workspace_lane(runner._draft_workspace_lane):
             speculator.capture()
-        if os.environ.get(PLANTED_BUG) == "wrong_slot" and speculator.graphs:
-            plant_wrong_slot_write(speculator.graphs)
+        graphs = getattr(speculator, "graphs", None)  # vLLM's class has none
+        if os.environ.get(PLANTED_BUG) == "wrong_slot" and graphs is not None:
+            plant_wrong_slot_write(graphs)
         self.step_log = StepLog.open(self)
         return times
 
