@@ -637,7 +637,7 @@ def _run(args: argparse.Namespace) -> int:
     notes: dict[str, Any] = {
         "argv": args.argv,
         "skipped_modes": {},
-        "copy_bandwidth_gbps": copy_bw / 1e9,
+        "copy_bandwidth_gbps": None if whole_engine else copy_bw / 1e9,
         "op_lists": {},
         "graphs": {},  # capture time and graph memory, per engine and mode
     }

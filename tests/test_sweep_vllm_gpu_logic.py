@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from perf import machine, sweep, vllm_engine
+from tests.test_sweep_vllm import NoSampler
 from vllm_on_cpu.engine import log_tail
 
 REPO = Path(__file__).resolve().parent.parent
@@ -215,16 +216,6 @@ class BatchSensitiveEngine:
 
     def shutdown(self):
         pass
-
-
-class NoSampler:
-    def segment(self, key):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def summary(self, key, steps):
-        return {}
 
 
 def fake_gpu_args(tmp_path, **overrides):
