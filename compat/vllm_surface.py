@@ -79,6 +79,18 @@ def plugin_surface(package: Path = PLUGIN) -> list[tuple[str, str]]:
     return sorted(names)
 
 
+def tested_releases(package: Path = PLUGIN) -> dict[tuple[str, str], str]:
+    """``cg_extract.plugin.TESTED_VLLM``, read without importing the plugin
+    (which needs vLLM)."""
+    for node in ast.parse((package / "plugin.py").read_text()).body:
+        if (
+            isinstance(node, ast.Assign)
+            and ast.unparse(node.targets[0]) == "TESTED_VLLM"
+        ):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"no TESTED_VLLM in {package / 'plugin.py'}")
+
+
 # --------------------------------------------------------------------------
 # What a vLLM source has
 

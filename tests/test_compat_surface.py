@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cg_extract.plugin import TESTED_VLLM
 from compat import vllm_surface
+
+TESTED_VLLM = vllm_surface.tested_releases()
 
 COMPAT = Path(vllm_surface.__file__).parent
 # Where this project keeps the 0.33.0 wheel (CG_EXTRACT_VLLM_WHEELS: another
@@ -96,3 +97,8 @@ def test_a_changed_signature_shows(monkeypatch):
     assert line.startswith(
         "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager.capture\tfunction\t(self, new_first, model"
     )
+
+
+def test_the_tested_releases_are_the_plugins():
+    plugin = pytest.importorskip("cg_extract.plugin")  # imports vLLM
+    assert TESTED_VLLM == plugin.TESTED_VLLM
