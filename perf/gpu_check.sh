@@ -19,24 +19,36 @@
 #
 #   perf/gpu_check.sh OUTDIR        (PY=... to use another interpreter)
 #
-# OUTDIR also gets summary.txt: one line per step, then one verdict line.
-# Exit status: 0 passed; 1 a CUDA step failed (a test, the sweep, a wrong
-# byte, or a cap reached); 2 could not start (no interpreter, a module
-# missing, a test file that does not collect, pytest or the sweep refusing to
-# run); 3 no CUDA here (every step that needs none passed).
+# OUTDIR gets two files (a GPU machine returns at most 8): summary.txt, one
+# line per step, then one verdict line; and gpu_check.tar.gz, every log and
+# result named above. Exit status: 0 passed; 1 a CUDA step failed (a test,
+# the sweep, a wrong byte, a cap reached, or every cuda test skipped); 2 could
+# not start (no interpreter, a module missing, a test file that does not
+# collect, pytest or the sweep refusing to run); 3 no CUDA here (every step
+# that needs none passed).
+#
+# GPU_CHECK_STAND_IN=SCRIPT (tests/test_gpu_check.py only): a STAND-IN writes
+# the CUDA steps' results (`$PY SCRIPT tests|sweep ARGS...`) on a machine
+# without CUDA, so their verdict branches run; summary.txt says so.
 set -uo pipefail
 OUT=${1:?usage: perf/gpu_check.sh OUTDIR}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
-: > "$OUT/summary.txt"
+STAND_IN=${GPU_CHECK_STAND_IN:-}
+SUMMARY="$OUT/summary.txt" ARCHIVE="$OUT/gpu_check.tar.gz"
+rm -f "$ARCHIVE"
+: > "$SUMMARY"
+# The steps write here; on exit it becomes the one archive.
+W=$(mktemp -d "$OUT/gpu_check.XXXXXX")
+trap 'tar -czf "$ARCHIVE" -C "$W" . && rm -rf "$W"' EXIT
 not_started=() failed=()
 
-note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+note() { echo "$*" | tee -a "$SUMMARY"; }
 joined() { printf '%s; ' "$@" | sed 's/; $//'; }
 verdict() {
-    note "gpu_check: $2"
+    note "gpu_check: $2${STAND_IN:+ [STAND-IN results: no GPU ran]}"
     exit "$1"
 }
 BUDGET=285 START=$SECONDS
@@ -51,7 +63,7 @@ timed() {
 }
 
 # --- env ---------------------------------------------------------------------
-timed 90 KILL "$OUT/env.log" bash -c 'date -u; timeout 10 nvidia-smi || echo "nvidia-smi failed"
+timed 90 KILL "$W/env.log" bash -c 'date -u; timeout 10 nvidia-smi || echo "nvidia-smi failed"
 "$0" - <<EOF
 import importlib, importlib.util
 import torch
@@ -66,26 +78,28 @@ for name in ("triton", "pynvml", "tqdm", "pandas", "matplotlib", "pytest", "hypo
 print("vllm importable:", importlib.util.find_spec("vllm") is not None)
 print("cuda available:", torch.cuda.is_available())
 EOF' "$PY"
-cat "$OUT/env.log"
-if ! grep -q '^cuda available:' "$OUT/env.log"; then
+cat "$W/env.log"
+if ! grep -q '^cuda available:' "$W/env.log"; then
     note "env: $PY could not list the environment (exit $rc, ${took} s; env.log)"
     verdict 2 "could not start: $PY with torch is needed (set PY=...)"
 fi
-missing=$(grep MISSING "$OUT/env.log" | cut -d' ' -f1 | paste -sd ' ' -)
-note "env: ${took} s; $(grep '^torch ' "$OUT/env.log")${missing:+; MISSING: $missing}"
+missing=$(grep MISSING "$W/env.log" | cut -d' ' -f1 | paste -sd ' ' -)
+note "env: ${took} s; $(grep '^torch ' "$W/env.log")${missing:+; MISSING: $missing}"
 [ -n "$missing" ] && not_started+=("modules missing: $missing")
 
 # --- collect: needs no CUDA --------------------------------------------------
-timed 90 KILL "$OUT/collect.log" "$PY" -m pytest tests/ --collect-only -q -p no:cacheprovider
-errors=$(grep -E '^ERROR ' "$OUT/collect.log" | sed 's/^ERROR //' | paste -sd ' ' -)
-note "collect: exit $rc, ${took} s: $(tail -n 1 "$OUT/collect.log")"
+timed 90 KILL "$W/collect.log" "$PY" -m pytest tests/ --collect-only -q -p no:cacheprovider
+errors=$(grep -E '^ERROR ' "$W/collect.log" | sed 's/^ERROR //' | paste -sd ' ' -)
+note "collect: exit $rc, ${took} s: $(tail -n 1 "$W/collect.log")"
 if [ "$rc" = capped ]; then
     not_started+=("collecting tests/ ran past its 90 s cap")
 elif [ "$rc" != 0 ]; then
     not_started+=("tests/ does not collect (exit $rc): ${errors:-see collect.log}")
 fi
 
-if ! grep -q '^cuda available: True' "$OUT/env.log"; then
+if [ -n "$STAND_IN" ]; then
+    note "STAND-IN: no GPU ran; the CUDA steps' results below come from $STAND_IN"
+elif ! grep -q '^cuda available: True' "$W/env.log"; then
     [ ${#not_started[@]} -gt 0 ] && verdict 2 "could not start: $(joined "${not_started[@]}")"
     verdict 3 "no CUDA here: torch sees no CUDA device; env and collect passed, the CUDA steps did not run"
 fi
@@ -95,12 +109,18 @@ fi
 # A collection error must not hide the results of the other files.
 cap=$(($(left) - 5 - 75 - 5))  # the sweep keeps 75 s
 cap=$((cap > 140 ? 140 : (cap < 10 ? 10 : cap)))
-timed $cap INT "$OUT/pytest.log" "$PY" -m pytest -m cuda tests/ -q -rA -p no:cacheprovider \
-    --continue-on-collection-errors --junitxml="$OUT/junit.xml"
-note "tests: exit $rc, ${took} s: $(tail -n 1 "$OUT/pytest.log")"
-grep '^runner_imitation:' "$OUT/pytest.log" | tee -a "$OUT/summary.txt"
+timed $cap INT "$W/pytest.log" "$PY" ${STAND_IN:+"$STAND_IN" tests} -m pytest -m cuda \
+    tests/ -q -rA -p no:cacheprovider --continue-on-collection-errors --junitxml="$W/junit.xml"
+note "tests: exit $rc, ${took} s: $(tail -n 1 "$W/pytest.log")"
+grep '^runner_imitation:' "$W/pytest.log" | tee -a "$SUMMARY"
+# pytest exits 0 when every test skipped: a run with no cuda test run is no pass.
+ran=$("$PY" -c 'import sys, xml.etree.ElementTree as E
+s = E.parse(sys.argv[1]).getroot()
+s = s if s.tag == "testsuite" else s.find("testsuite")
+print(int(s.get("tests")) - int(s.get("skipped")))' "$W/junit.xml" 2>/dev/null) || ran=unknown
 case $rc in  # pytest: 1 some failed; 2 to 5 it ran none or stopped
-    0) ;;
+    0) [ "$ran" = 0 ] && failed+=("every cuda test skipped (pytest.log)")
+       [ "$ran" = unknown ] && failed+=("junit.xml unreadable: how many cuda tests ran is unknown") ;;
     1) failed+=("cuda tests (pytest.log)") ;;
     capped) failed+=("the cuda tests reached their ${cap} s cap") ;;
     *) not_started+=("pytest -m cuda ran no tests (exit $rc, pytest.log)") ;;
@@ -109,17 +129,17 @@ esac
 # --- sweep: CUDA -------------------------------------------------------------
 cap=$(($(left) - 5))
 cap=$((cap < 10 ? 10 : cap))
-timed $cap INT "$OUT/sweep.log" "$PY" perf/sweep.py --engine kernel --device cuda \
-    --out "$OUT/kernel.csv"
+timed $cap INT "$W/sweep.log" "$PY" ${STAND_IN:+"$STAND_IN" sweep} perf/sweep.py \
+    --engine kernel --device cuda --out "$W/kernel.csv"
 note "sweep: exit $rc, ${took} s"
-tr '\r' '\n' < "$OUT/sweep.log" | grep -v '^sweep:' | tail -n 60 | tee -a "$OUT/summary.txt"
+tr '\r' '\n' < "$W/sweep.log" | grep -v '^sweep:' | tail -n 60 | tee -a "$SUMMARY"
 case $rc in  # sweep: 2 refused its arguments or no mode can run
     0) ;;
     2) not_started+=("the kernel sweep refused to run (sweep.log)") ;;
     capped) failed+=("the kernel sweep reached its ${cap} s cap (kernel.csv has the rows that finished)") ;;
     *) failed+=("kernel sweep (exit $rc, sweep.log)") ;;
 esac
-if [ -s "$OUT/kernel.csv" ] && ! "$PY" - "$OUT/kernel.csv" <<'EOF'; then
+if [ -s "$W/kernel.csv" ] && ! "$PY" - "$W/kernel.csv" <<'EOF'; then
 import sys
 import pandas as pd
 frame = pd.read_csv(sys.argv[1])
@@ -132,4 +152,4 @@ fi
 
 [ ${#not_started[@]} -gt 0 ] && verdict 2 "could not start: $(joined "${not_started[@]}")"
 [ ${#failed[@]} -gt 0 ] && verdict 1 "a CUDA step failed: $(joined "${failed[@]}")"
-verdict 0 "passed: the cuda tests and the kernel sweep"
+verdict 0 "passed: the cuda tests ($ran run) and the kernel sweep"

@@ -49,6 +49,7 @@ MEASURED = [
     "zero_copy_replays",
     "eager_steps",
     "bit_exact",
+    "close_to_upstream",
 ]
 # Measured columns that hold words, not figures.
 TEXT = ["cudagraph_mode", "captured_sizes"]
@@ -120,7 +121,9 @@ VLLM_TABLE = [
     "captured_sizes",
     "copy_in_replays",
     "zero_copy_replays",
+    "eager_steps",
     "bit_exact",
+    "close_to_upstream",
 ]
 
 
@@ -297,7 +300,7 @@ def table(frame: pd.DataFrame) -> str:
             )
     shown = shown.fillna("")
     # The reference is what the other rows are compared with: no verdict.
-    reference = shown["mode"] == "upstream"
+    reference = shown["mode"] == ("eager" if whole_engine(frame) else "upstream")
     shown.loc[reference, "bit_exact"] = shown.loc[reference, "bit_exact"].replace(
         "", "(ref)"
     )
@@ -315,6 +318,8 @@ TABLE_FORMATS = {
     "slowdown_vs_baseline": "{:.2f}".format,
     "copy_in_replays": "{:.0f}".format,
     "zero_copy_replays": "{:.0f}".format,
+    "eager_steps": "{:.0f}".format,
     "bw_floor_frac": "{:.2f}".format,
     "bit_exact": str,
+    "close_to_upstream": str,
 }

@@ -657,14 +657,30 @@ def test_a_whole_engine_run_is_gated_on_correctness_and_replays(tmp_path, capsys
     assert run_gate(tmp_path, run, run) == 0
     output = capsys.readouterr().out
     assert checked(output) == {
-        ("eager", "bit_exact"),
         ("graph", "bit_exact"),
+        ("eager", "close_to_upstream"),
+        ("graph", "close_to_upstream"),
         ("graph", "copy_in_replays"),
     }
 
 
+def test_a_gpu_decode_run_that_replays_zero_copy_passes(tmp_path, capsys):
+    """On a GPU the target replays FULL decode graphs and ours read its
+    buffers in place: no copy-in replay, and a prefill step above the
+    largest capture size runs eagerly. The copy-in rule is a CPU run's."""
+    run = pd.read_csv(VLLM_RUN).assign(device="cuda", device_name="NVIDIA H200")
+    gpu = run.copy()
+    graph = gpu["mode"] == "graph"
+    gpu.loc[graph, ["copy_in_replays", "zero_copy_replays"]] = [0.0, 40.0]
+    assert run_gate(tmp_path, run, gpu) == 0
+    output = capsys.readouterr().out
+    assert ("graph", "copy_in_replays") not in checked(output)
+    assert "cpu_run rules not applied: not a CPU run" in output
+
+
 @pytest.mark.parametrize(
-    "column, value", [("copy_in_replays", 0.0), ("bit_exact", False)]
+    "column, value",
+    [("copy_in_replays", 0.0), ("bit_exact", False), ("close_to_upstream", False)],
 )
 def test_a_whole_engine_without_replays_or_exact_files_fails(
     tmp_path, capsys, column, value

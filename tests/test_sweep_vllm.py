@@ -226,6 +226,7 @@ def run_with_stand_in(monkeypatch, graph_files_differ: bool) -> dict[str, dict]:
     monkeypatch.setattr(async_llm, "AsyncLLM", EngineStandIn)
     monkeypatch.setattr(vllm_engine, "load_our_plugin", lambda: None)
     monkeypatch.setattr(EngineStandIn, "graph_files_differ", graph_files_differ)
+    monkeypatch.setattr(vllm_engine, "hidden_size", lambda model: 1)
     EngineStandIn.alive, EngineStandIn.most_alive = [], 0
     args = args_for(gpu_memory_utilization=0.35, dummy_model=False)
     args.modes_for = {"vllm": list(vllm_engine.MODES)}
@@ -241,6 +242,9 @@ def test_modes_run_one_engine_at_a_time(monkeypatch):
     starts, so each may have the utilization a user gives one engine."""
     by_mode = run_with_stand_in(monkeypatch, graph_files_differ=False)
     assert EngineStandIn.most_alive == 1 and not EngineStandIn.alive
+    assert by_mode["graph"]["bit_exact"] is True  # against eager, the reference
+    assert by_mode["eager"]["close_to_upstream"] is True
+    assert by_mode["graph"]["close_to_upstream"] is True
     assert by_mode["baseline"]["bit_exact"] is None
 
 
@@ -250,8 +254,9 @@ def test_bit_exact_reads_the_saved_files(monkeypatch, graph_files_differ):
     is planted in the graph mode's: bit_exact must follow the files, not the
     mode (True for equal files, False for the planted difference)."""
     by_mode = run_with_stand_in(monkeypatch, graph_files_differ)
-    assert by_mode["eager"]["bit_exact"] is True
+    assert by_mode["eager"]["bit_exact"] is None  # the reference
     assert by_mode["graph"]["bit_exact"] is (not graph_files_differ)
+    assert by_mode["graph"]["close_to_upstream"] is (not graph_files_differ)
 
 
 # --------------------------------------------------------------------------
@@ -286,8 +291,9 @@ def cpu_sweep(tmp_path_factory):
 def test_the_cpu_sweep_runs_every_mode_and_ours_is_bit_exact(cpu_sweep):
     frame, out = cpu_sweep
     assert list(frame.index) == ["baseline", "upstream", "eager", "graph"]
-    assert frame.loc["eager", "bit_exact"] and frame.loc["graph", "bit_exact"]
-    assert frame["bit_exact"][["baseline", "upstream"]].isna().all()
+    assert frame.loc["graph", "bit_exact"]  # against eager, the reference
+    assert frame["bit_exact"][["baseline", "upstream", "eager"]].isna().all()
+    assert frame["close_to_upstream"][["eager", "graph"]].all()
     assert (frame["tokens_per_s"] > 0).all() and (frame["prompts_per_s"] > 0).all()
     # The ratios are the measured throughputs' (the baseline's own slowdown
     # is 1 by definition, so only the other modes' say anything), up to the

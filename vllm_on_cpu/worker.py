@@ -39,6 +39,19 @@ from vllm_on_cpu.engine_probe import EngineProbe
 GPU_MODE = CUDAGraphMode.FULL_AND_PIECEWISE
 # A folder: each rank appends its steps to ``dp<DP rank>_tp<TP rank>.jsonl``.
 STEP_LOG = "ENGINE_WORKER_STEP_LOG"
+# "wrong_slot": a PLANTED BUG for the tests that must see a wrong write
+# caught: our graph path writes each token's hidden states into the slot of
+# the token before it (the step's slots rotated by one).
+PLANTED_BUG = "ENGINE_WORKER_PLANTED_BUG"
+
+
+def plant_wrong_slot_write(graphs: Any) -> None:
+    run = graphs.run
+
+    def wrong_slots(aux_hidden_states, slot_mapping, padded):
+        return run(aux_hidden_states, slot_mapping.roll(1), padded)
+
+    graphs.run = wrong_slots
 
 
 class StepLog:
@@ -116,6 +129,9 @@ class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
         speculator.init_cudagraph_manager(GPU_MODE)
         with use_workspace_lane(runner._draft_workspace_lane):
             speculator.capture()
+        graphs = getattr(speculator, "graphs", None)  # vLLM's class has none
+        if os.environ.get(PLANTED_BUG) == "wrong_slot" and graphs is not None:
+            plant_wrong_slot_write(graphs)
         self.step_log = StepLog.open(self)
         return times
 

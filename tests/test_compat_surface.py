@@ -1,0 +1,104 @@
+"""The vLLM names cg_extract depends on, as each tested vLLM has them
+(``compat/vllm_surface.py``; one ``compat/vllm-<version>.txt`` per release
+``cg_extract.plugin.TESTED_VLLM`` names). Reads sources with ``ast``: no
+vLLM import, so it runs where vLLM is absent too."""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import pytest
+
+from compat import vllm_surface
+
+TESTED_VLLM = vllm_surface.tested_releases()
+
+COMPAT = Path(vllm_surface.__file__).parent
+# Where this project keeps the 0.33.0 wheel (CG_EXTRACT_VLLM_WHEELS: another
+# folder); CI has none, and the test that reads it skips there.
+WHEELS = os.environ.get("CG_EXTRACT_VLLM_WHEELS", "/work/vllm033")
+# Entries that differ between 0.32.0 and 0.33.0, each reviewed: none.
+REVIEWED_DIFFERENCE_0_32_TO_0_33: set[str] = set()
+
+
+def committed(version: str) -> list[str]:
+    lines = (COMPAT / f"vllm-{version}.txt").read_text().splitlines()
+    assert lines[0] == f"# vLLM {version}: python compat/vllm_surface.py"
+    return lines[1:]
+
+
+def names(lines: list[str]) -> list[tuple[str, str]]:
+    return [tuple(line.split("\t")[0].split(":")) for line in lines]
+
+
+def test_one_file_per_tested_release():
+    recorded = {p.name for p in COMPAT.glob("vllm-*.txt")}
+    assert recorded == {f"vllm-{version}.txt" for _, version in TESTED_VLLM}
+
+
+@pytest.mark.parametrize("version", sorted({v for _, v in TESTED_VLLM}))
+def test_each_file_lists_every_name_the_plugin_uses_now(version):
+    """A vLLM name newly imported, subclassed, overridden or patched by the
+    plugin fails this until both releases are recorded again."""
+    assert names(committed(version)) == vllm_surface.plugin_surface()
+
+
+@pytest.mark.parametrize("version", sorted({v for _, v in TESTED_VLLM}))
+def test_every_name_exists_in_each_tested_release(version):
+    for line in committed(version):
+        name, kind, _ = line.split("\t")
+        assert kind != vllm_surface.MISSING, line
+        if tuple(name.split(":")) in vllm_surface.PATCHED:
+            assert kind in ("function", "class", "attribute"), line
+
+
+def test_the_difference_between_0_32_and_0_33_is_the_reviewed_one():
+    old, new = set(committed("0.32.0")), set(committed("0.33.0"))
+    assert old ^ new == REVIEWED_DIFFERENCE_0_32_TO_0_33
+
+
+def test_the_installed_vllm_reads_as_committed():
+    vllm = pytest.importorskip("vllm")
+    version = vllm.__version__.split("+")[0]
+    if not (COMPAT / f"vllm-{version}.txt").is_file():
+        pytest.skip(f"vLLM {version} is not a tested release")
+    recorded = list(vllm_surface.record(vllm_surface.installed_vllm()))
+    assert recorded == committed(version)
+
+
+def test_the_0_33_wheel_reads_as_committed():
+    wheels = glob.glob(f"{WHEELS}/vllm-0.33.0-*.whl")
+    if not wheels:
+        pytest.skip(f"no vllm-0.33.0 wheel in {WHEELS}")
+    assert list(vllm_surface.record(Path(wheels[0]))) == committed("0.33.0")
+
+
+def test_a_changed_signature_shows(monkeypatch):
+    """The recorder on the installed vLLM with one wrapped method's
+    signature changed, as a new release might."""
+    pytest.importorskip("vllm")
+    read = vllm_surface.Source._read_file
+
+    def changed(self, name):
+        text = read(self, name)
+        if name.endswith("v1/worker/gpu/cudagraph_utils.py"):
+            text = text.replace(
+                "def capture(\n        self,\n        model",
+                "def capture(\n        self,\n        new_first,\n        model",
+                1,
+            )
+        return text
+
+    monkeypatch.setattr(vllm_surface.Source, "_read_file", changed)
+    recorded = list(vllm_surface.record(vllm_surface.installed_vllm()))
+    (line,) = set(recorded) - set(committed("0.32.0"))
+    assert line.startswith(
+        "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager.capture\tfunction\t(self, new_first, model"
+    )
+
+
+def test_the_tested_releases_are_the_plugins():
+    plugin = pytest.importorskip("cg_extract.plugin")  # imports vLLM
+    assert TESTED_VLLM == plugin.TESTED_VLLM
