@@ -25,8 +25,10 @@ from vllm_on_cpu.cuda_graph import CUDAGraph, graph, is_current_stream_capturing
 
 
 def capture(region) -> CUDAGraph:
+    """Under inference mode, as vLLM runs the model: there ``aten::to`` and
+    ``aten::reshape`` reach the recorder whole, copying or aliasing."""
     g = CUDAGraph()
-    with graph(g, pool=cuda_graph.graph_pool_handle()):
+    with torch.inference_mode(), graph(g, pool=cuda_graph.graph_pool_handle()):
         region()
     return g
 
