@@ -68,6 +68,9 @@ from torch.utils._pytree import tree_flatten
 from cg_extract.emulated_graph import GraphCaptureError, uncapturable
 
 _local = threading.local()
+# Ops recorded whole although their body is Python: fixtures that stand for
+# one kernel a graph holds (vllm_on_cpu.graph_attention).
+KERNELS: set[str] = set()
 _pool_ids = itertools.count(1)
 
 
@@ -140,7 +143,11 @@ class _Op:
     outputs: list[tuple[int, torch.Tensor]]
 
     def run(self) -> None:
-        new = tree_flatten(self.func(*self.args, **self.kwargs))[0]
+        new = [
+            o
+            for o in tree_flatten(self.func(*self.args, **self.kwargs))[0]
+            if o is not None
+        ]
         for i, captured in self.outputs:
             captured.copy_(new[i])
         counts.ops_replayed += 1
@@ -176,7 +183,7 @@ class _Recorder(TorchDispatchMode):
                 f"{name} synchronises with the host or sizes its output from "
                 "device data; a CUDA graph cannot capture it"
             )
-        if _has_python_body(func):
+        if name not in KERNELS and _has_python_body(func):
             # Its body reads Python state (vLLM's forward context) a replay
             # does not set: record what it dispatches instead.
             with self:
@@ -184,7 +191,7 @@ class _Recorder(TorchDispatchMode):
                     torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs
                 )
         out = func(*args, **kwargs)
-        flat_out = tree_flatten(out)[0]
+        flat_out = [o for o in tree_flatten(out)[0] if o is not None]
         if any(not isinstance(o, torch.Tensor) for o in flat_out):
             raise GraphCaptureError(
                 f"{name} returns a Python value ({out!r}): a host read, which "

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_on_cpu import cuda_graph
+
 EXTENSION = f"{__name__}.EngineProbe"
 
 
@@ -48,4 +50,11 @@ class EngineProbe:
             "class": f"{type(speculator).__module__}.{type(speculator).__name__}",
             "stats": stats() if stats is not None else None,
             "draft_cg_support": support.name,
+            "cudagraph_mode": self.cudagraph_mode(),
+            # What the CPU stand-in graph API captured and replayed in this
+            # process (the target's graphs; zero where it is not installed).
+            "target_graphs": {
+                "captured": cuda_graph.counts.captured,
+                "replays": cuda_graph.counts.replays,
+            },
         }
