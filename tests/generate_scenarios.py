@@ -229,6 +229,15 @@ def many_prompt_lengths(run: Run):
     return requests, {"lengths": lengths}
 
 
+def short_prefill_then_decode(run: Run):
+    """Short prompts prefilled in one step that fits a graph but is no uniform
+    decode (the target's PIECEWISE graphs, our copy-in), then decode steps
+    (the target's FULL graphs, our zero-copy)."""
+    lengths = [3, 9, 5]
+    requests = run.generate([tokens(run.rng, n) for n in lengths], params(6))
+    return requests, {"lengths": lengths, "max_tokens": 6}
+
+
 def client_prompts(run: Run):
     """The prompts ``tests/test_e2e_server.py`` sends through the server, one
     token each, as the users' client asks: the in-process reference."""
@@ -263,10 +272,14 @@ SCENARIOS: dict[str, Callable[[Run], tuple[list[dict[str, Any]], dict]]] = {
         many_prompt_lengths,
         client_prompts,
         short_client_prompts,
+        short_prefill_then_decode,
     )
 }
 # What tests/test_e2e_generate.py runs: all but the server tests' references.
-GENERATE_SCENARIOS = list(SCENARIOS)[:-2]
+GENERATE_SCENARIOS = list(SCENARIOS)[:6]
+# The target-graphs way's (tests/test_e2e_target_graphs.py): decode steps
+# under every mode, and small mixed steps for FULL_AND_PIECEWISE.
+TARGET_SCENARIOS = ["decode", "short_prefill_then_decode"]
 
 
 CONNECTORS = ("example", "fp8", "mooncake")

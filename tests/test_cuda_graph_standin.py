@@ -301,3 +301,53 @@ def test_vllm_breakable_capture_replays_segments_and_eager_breaks(monkeypatch):
     x.copy_(torch.randn(4))
     cap.replay()
     torch.testing.assert_close(c, (x + 1) * 2 - x)
+
+
+_lib.define("attention_like(Tensor x, Tensor(a!) out) -> ()")
+
+
+def _attention_like(x, out):
+    """An op whose body breaks the capture, as vLLM's
+    ``eager_break_during_capture`` wraps ``unified_attention_with_output``:
+    it reads the forward context, so it must run eagerly at every replay."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    def body():
+        if FORWARD_CONTEXT is None:
+            raise RuntimeError("no forward context")
+        out.copy_(x * FORWARD_CONTEXT["scale"])
+
+    capture = BreakableCUDAGraphCapture.current()
+    if capture is None:
+        return body()
+    capture.add_eager(body)
+
+
+_lib.impl("attention_like", _attention_like, "CPU")
+
+
+def test_an_eager_break_inside_an_op_body_splits_the_graph(monkeypatch):
+    """The break ends one graph and begins the next inside the op's Python
+    body: the eager part must record into neither, and the ops after it
+    into the second graph."""
+    global FORWARD_CONTEXT
+    pytest.importorskip("vllm")
+    from vllm.compilation import breakable_cudagraph
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
+    x, a, b, c = torch.randn(4), torch.empty(4), torch.empty(4), torch.empty(4)
+    FORWARD_CONTEXT = {"scale": 2.0}
+    try:
+        with torch.inference_mode():
+            with breakable_cudagraph.BreakableCUDAGraphCapture() as cap:
+                a.copy_(x + 1)
+                torch.ops.cgstandin.attention_like(a, b)
+                c.copy_(b - x)
+            assert not is_current_stream_capturing()
+            assert (cap.num_graphs, cap.num_eager_breaks) == (2, 1)
+            x.copy_(torch.randn(4))
+            FORWARD_CONTEXT = {"scale": 5.0}  # the step's own, read eagerly
+            cap.replay()
+    finally:
+        FORWARD_CONTEXT = None
+    torch.testing.assert_close(c, (x + 1) * 5.0 - x)

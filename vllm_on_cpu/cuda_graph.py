@@ -100,7 +100,21 @@ def graph_pool_handle() -> GraphPool:
 
 
 def is_current_stream_capturing() -> bool:
-    return getattr(_local, "capture", None) is not None
+    return _steps() is not None
+
+
+# This thread's capture: the steps list of the graph capturing (None when
+# none is), the recorder mode on torch's mode stack, and how deep inside ops'
+# Python bodies the recorder is. vLLM's breakable capture ends one graph and
+# begins the next from inside such a body (its eager break wraps
+# unified_attention_with_output), so ending a graph there switches lists and
+# leaves the mode stack to the body's own exit.
+def _steps() -> list[Any] | None:
+    return getattr(_local, "steps", None)
+
+
+def _depth() -> int:
+    return getattr(_local, "depth", 0)
 
 
 def _is_view(func: Any) -> bool:
@@ -169,14 +183,14 @@ class _Launch:
 
 
 class _Recorder(TorchDispatchMode):
-    """Records the ops of one capture (see the module's docstring)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps: list[_Op | _Launch] = []
+    """Records every op into the capturing graph's steps (see the module's
+    docstring); passes ops through while no graph is capturing."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        steps = _steps()
+        if steps is None:  # an eager break of a breakable capture
+            return func(*args, **kwargs)
         name = func._schema.name
         if uncapturable(name, args):
             raise GraphCaptureError(
@@ -186,10 +200,16 @@ class _Recorder(TorchDispatchMode):
         if name not in KERNELS and _has_python_body(func):
             # Its body reads Python state (vLLM's forward context) a replay
             # does not set: record what it dispatches instead.
-            with self:
-                return func.redispatch(
-                    torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs
-                )
+            _local.depth = _depth() + 1
+            try:
+                with self:
+                    return func.redispatch(
+                        torch._C.DispatchKeySet(torch._C.DispatchKey.CPU),
+                        *args,
+                        **kwargs,
+                    )
+            finally:
+                _local.depth -= 1
         out = func(*args, **kwargs)
         flat_out = [o for o in tree_flatten(out)[0] if o is not None]
         if any(not isinstance(o, torch.Tensor) for o in flat_out):
@@ -205,7 +225,7 @@ class _Recorder(TorchDispatchMode):
             and o.untyped_storage().data_ptr() not in inputs
         ]
         if not (_is_view(func) and not fresh):
-            self.steps.append(_Op(func, args, kwargs, fresh))
+            steps.append(_Op(func, args, kwargs, fresh))
         return out
 
 
@@ -213,7 +233,7 @@ class CUDAGraph:
     """``torch.cuda.CUDAGraph`` on a CPU: see the module's docstring."""
 
     def __init__(self, keep_graph: bool = False) -> None:
-        self._recorder: _Recorder | None = None
+        self._capturing: list[_Op | _Launch] | None = None
         self._steps: list[_Op | _Launch] | None = None
         self._pool: GraphPool | None = None
 
@@ -223,24 +243,28 @@ class CUDAGraph:
         if self._steps is not None:
             raise RuntimeError("this graph was captured already; reset() it first")
         self._pool = pool if pool is not None else graph_pool_handle()
-        self._recorder = _Recorder()
-        self._recorder.__enter__()
-        _local.capture = self._recorder
+        self._capturing = _local.steps = []
+        if _depth() == 0:
+            _local.mode = _Recorder()
+            _local.mode.__enter__()
 
     def capture_end(self) -> None:
-        recorder = self._recorder
-        if recorder is None or _local.capture is not recorder:
+        if self._capturing is None or _steps() is not self._capturing:
             raise RuntimeError("capture_end() without this graph's capture_begin()")
-        _local.capture = None
-        recorder.__exit__(None, None, None)
-        self._steps, self._recorder = recorder.steps, None
+        self._steps, self._capturing = self._capturing, None
+        self._stop()
         counts.captured += 1
 
+    def _stop(self) -> None:
+        _local.steps = None
+        if _depth() == 0:
+            _local.mode.__exit__(None, None, None)
+            _local.mode = None
+
     def _abort(self) -> None:
-        if self._recorder is not None:
-            _local.capture = None
-            self._recorder.__exit__(None, None, None)
-            self._recorder = None
+        if self._capturing is not None and _steps() is self._capturing:
+            self._capturing = None
+            self._stop()
 
     def replay(self) -> None:
         if self._steps is None:
@@ -289,12 +313,12 @@ def _recording_launch(launch: Callable[..., Any]) -> Callable[..., Any]:
     otherwise take for the kernel, and a replay would drop the kernel."""
 
     def recorded(executor, *args, **kwargs):
-        capture = getattr(_local, "capture", None)
-        if capture is None:
+        steps = _steps()
+        if steps is None:
             return launch(executor, *args, **kwargs)
         with _disable_current_modes():
             result = launch(executor, *args, **kwargs)
-        capture.steps.append(_Launch(launch, executor, args, kwargs))
+        steps.append(_Launch(launch, executor, args, kwargs))
         return result
 
     recorded.__wrapped__ = launch

@@ -56,5 +56,8 @@ class EngineProbe:
             "target_graphs": {
                 "captured": cuda_graph.counts.captured,
                 "replays": cuda_graph.counts.replays,
+                # FULL graphs the runner's manager holds now: fewer than
+                # captured where the memory profiler captured and dropped some.
+                "held": len(getattr(runner.cudagraph_manager, "graphs", ())),
             },
         }
