@@ -313,11 +313,12 @@ class ScenarioRun:
 
 
 def scenario_run(
-    name: str, way: str, model_dir: Path, workdir: Path, *options: str
+    name: str, way: str, model_dir: Path, workdir: Path, *options: str, **env: str
 ) -> ScenarioRun:
+    """``env`` adds to the engine's environment (the target way's mode)."""
     out, storage = workdir / f"{name}.json", workdir / name
     args = ["-m", __name__, way, str(model_dir), str(storage), str(out), *options]
-    env = engine_env(way, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = engine_env(way, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
     return ScenarioRun(EngineRun(args, env, workdir / f"{name}.log"), out, storage)
 
 

@@ -59,5 +59,17 @@ class EngineProbe:
                 # FULL graphs the runner's manager holds now: fewer than
                 # captured where the memory profiler captured and dropped some.
                 "held": len(getattr(runner.cudagraph_manager, "graphs", ())),
+                # The token counts of the FULL graphs the runner holds, and
+                # the capture sizes vLLM resolved.
+                "full_sizes": _full_sizes(runner.cudagraph_manager),
+                "capture_sizes": list(
+                    self.vllm_config.compilation_config.cudagraph_capture_sizes or []
+                ),
             },
         }
+
+
+def _full_sizes(manager: Any) -> list[int]:
+    if manager is None or not hasattr(manager, "captured_token_counts"):
+        return []
+    return manager.captured_token_counts()
