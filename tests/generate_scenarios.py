@@ -29,8 +29,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from vllm_on_cpu.engine import (
+    ALL_WAYS,
     MAX_NUM_BATCHED_TOKENS,
-    WAYS,
     EngineRun,
     engine_env,
     engine_kwargs,
@@ -324,7 +324,7 @@ def scenario_run(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("way", choices=WAYS)
+    parser.add_argument("way", choices=ALL_WAYS)
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("storage", type=Path, help="where the connector saves")
     parser.add_argument("out", type=Path, help="the JSON written")

