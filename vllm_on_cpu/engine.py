@@ -96,18 +96,20 @@ def enter_cpu_env() -> None:
     runpy.run_path(str(SITE / "sitecustomize.py"))
 
 
+def target_env() -> dict[str, str]:
+    """What a process whose engine runs the target's graphs adds: the flag
+    :mod:`vllm_on_cpu.target_graphs` reads, and breakable graphs (
+    FULL_AND_PIECEWISE without torch.compile, whose PIECEWISE needs a Triton
+    GPU driver)."""
+    return {"VLLM_ON_CPU_TARGET_GRAPHS": "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
+
+
 def engine_env(way: str, **extra: str) -> dict[str, str]:
     """The environment an engine process of ``way`` starts with; ``extra``
     adds to it."""
     if way not in ALL_WAYS:
         raise ValueError(f"way must be one of {ALL_WAYS}, got {way!r}")
-    target = {}
-    if way == "target":
-        from vllm_on_cpu.target_graphs import ENV
-
-        # Breakable graphs: FULL_AND_PIECEWISE without torch.compile (whose
-        # PIECEWISE needs a Triton GPU driver).
-        target = {ENV: "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
+    target = target_env() if way == "target" else {}
     return {
         **os.environ,
         **cpu_env(),
@@ -138,11 +140,7 @@ def engine_kwargs(
             raise ValueError(
                 f"{TARGET_MODE} must be one of {TARGET_MODES}, got {mode!r}"
             )
-        # No torch.compile (mode 0): FULL graphs wrap the model directly.
-        graphs = {
-            "enforce_eager": False,
-            "compilation_config": {"mode": 0, "cudagraph_mode": mode},
-        }
+        graphs = target_graphs_kwargs(mode)
     return {
         "model": str(model_dir),
         "load_format": "dummy",
@@ -161,6 +159,15 @@ def engine_kwargs(
         "speculative_config": speculative_config(AUX_LAYER_IDS, **keys),
         "kv_transfer_config": kv_transfer_config(storage),
         **overrides,
+    }
+
+
+def target_graphs_kwargs(mode: str = "FULL_AND_PIECEWISE") -> dict[str, Any]:
+    """Engine keywords for the target's graphs in ``mode``: no torch.compile
+    (mode 0; FULL graphs wrap the model directly), sizes left to vLLM."""
+    return {
+        "enforce_eager": False,
+        "compilation_config": {"mode": 0, "cudagraph_mode": mode},
     }
 
 

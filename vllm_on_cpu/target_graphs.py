@@ -28,7 +28,7 @@ from vllm_on_cpu import cuda_graph
 
 logger = init_logger(__name__)
 
-# The engine way sets it (vllm_on_cpu.engine.engine_env); the worker reads it.
+# vllm_on_cpu.engine.target_env sets it; the worker reads it.
 ENV = "VLLM_ON_CPU_TARGET_GRAPHS"
 
 
