@@ -660,11 +660,13 @@ def test_a_whole_engine_run_is_gated_on_correctness_and_replays(tmp_path, capsys
         ("eager", "bit_exact"),
         ("graph", "bit_exact"),
         ("graph", "copy_in_replays"),
+        ("graph", "zero_copy_replays"),
     }
 
 
 @pytest.mark.parametrize(
-    "column, value", [("copy_in_replays", 0.0), ("bit_exact", False)]
+    "column, value",
+    [("copy_in_replays", 0.0), ("zero_copy_replays", 0.0), ("bit_exact", False)],
 )
 def test_a_whole_engine_without_replays_or_exact_files_fails(
     tmp_path, capsys, column, value
