@@ -31,7 +31,7 @@ OUT=${OUT:-out/ci_gate}
 # needs (no baseline: an engine start saved).
 "$PY" perf/sweep.py \
     --engine vllm --device cpu --modes upstream eager graph \
-    --workload decode --max-tokens 4 --sizes 8 --prompt-len 16 --clients 8 \
+    --workload decode --max-tokens 4 --sizes 1 --prompt-len 16 --clients 1 \
     --iters 1 --warmup 0 --threads 1 \
     --out "$OUT/vllm.csv"
 # Only run rules apply (no timing or count of a whole engine is compared with
