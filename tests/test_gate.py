@@ -661,6 +661,7 @@ def test_a_whole_engine_run_is_gated_on_correctness_and_replays(tmp_path, capsys
         ("eager", "close_to_upstream"),
         ("graph", "close_to_upstream"),
         ("graph", "copy_in_replays"),
+        ("graph", "zero_copy_replays"),
     }
 
 
@@ -680,7 +681,12 @@ def test_a_gpu_decode_run_that_replays_zero_copy_passes(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "column, value",
-    [("copy_in_replays", 0.0), ("bit_exact", False), ("close_to_upstream", False)],
+    [
+        ("copy_in_replays", 0.0),
+        ("zero_copy_replays", 0.0),
+        ("bit_exact", False),
+        ("close_to_upstream", False),
+    ],
 )
 def test_a_whole_engine_without_replays_or_exact_files_fails(
     tmp_path, capsys, column, value

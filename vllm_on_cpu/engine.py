@@ -18,7 +18,10 @@ speculator capture a GPU worker does (:mod:`vllm_on_cpu.worker`) and save
 hidden states with :mod:`vllm_on_cpu.hidden_states_connector`.
 
 The engine "ways" every scenario runs: vLLM's own speculator (the plugin not
-loaded), ours eagerly, ours with (emulated) graphs.
+loaded), ours eagerly, ours with (emulated) graphs while the target runs
+eagerly, and ours with graphs while the target captures and replays its own
+graphs in the mode :data:`TARGET_MODE` names (``target``: the fake graph API
+and graph-safe attention of :mod:`vllm_on_cpu.target_graphs`, test fixtures).
 """
 
 from __future__ import annotations
@@ -47,7 +50,13 @@ PLUGIN = "cg_extract"
 # Named, not imported: vLLM imports it in the worker process (--worker-cls).
 WORKER = "vllm_on_cpu.worker.SpeculatorGraphsCPUWorker"
 
+# The ways every scenario runs; the target-graphs way runs a few
+# (tests/test_e2e_target_graphs.py).
 WAYS = ("vllm", "eager", "graphs")
+ALL_WAYS = (*WAYS, "target")
+# The target way's cudagraph_mode, as an environment variable of its process.
+TARGET_MODE = "VLLM_ON_CPU_CUDAGRAPH_MODE"
+TARGET_MODES = ("FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE")
 AUX_LAYER_IDS = [1, 2, 3]
 MAX_NUM_BATCHED_TOKENS = 64  # small, so that long prompts prefill in chunks
 # Steps of up to 32 tokens replay a graph, larger ones run eagerly: the real
@@ -87,16 +96,26 @@ def enter_cpu_env() -> None:
     runpy.run_path(str(SITE / "sitecustomize.py"))
 
 
+def target_env() -> dict[str, str]:
+    """What a process whose engine runs the target's graphs adds: the flag
+    :mod:`vllm_on_cpu.target_graphs` reads, and breakable graphs (
+    FULL_AND_PIECEWISE without torch.compile, whose PIECEWISE needs a Triton
+    GPU driver)."""
+    return {"VLLM_ON_CPU_TARGET_GRAPHS": "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
+
+
 def engine_env(way: str, **extra: str) -> dict[str, str]:
     """The environment an engine process of ``way`` starts with; ``extra``
     adds to it."""
-    if way not in WAYS:
-        raise ValueError(f"way must be one of {WAYS}, got {way!r}")
+    if way not in ALL_WAYS:
+        raise ValueError(f"way must be one of {ALL_WAYS}, got {way!r}")
+    target = target_env() if way == "target" else {}
     return {
         **os.environ,
         **cpu_env(),
         # vLLM's own speculator: no plugin at all (VLLM_PLUGINS="" loads none).
         "VLLM_PLUGINS": "" if way == "vllm" else PLUGIN,
+        **target,
         **extra,
     }
 
@@ -112,13 +131,23 @@ def engine_kwargs(
     from vllm_on_cpu.hidden_states_connector import kv_transfer_config
 
     keys = emulated_graph_keys(CAPTURE_SIZES) if way == "graphs" else {}
+    graphs = {"enforce_eager": True}  # inductor would need a real Triton driver
+    if way == "target":
+        # No capture sizes, ours or vLLM's: both come from vLLM's resolution.
+        keys = {"cudagraph": True, "cudagraph_backend": "emulated"}
+        mode = os.environ.get(TARGET_MODE, "FULL_AND_PIECEWISE")
+        if mode not in TARGET_MODES:
+            raise ValueError(
+                f"{TARGET_MODE} must be one of {TARGET_MODES}, got {mode!r}"
+            )
+        graphs = target_graphs_kwargs(mode)
     return {
         "model": str(model_dir),
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "dtype": "float32",
         "seed": 0,
-        "enforce_eager": True,  # inductor would need a real Triton driver
+        **graphs,
         "gpu_memory_utilization": 0.15,  # on a CPU: host memory reserved
         "num_gpu_blocks_override": NUM_BLOCKS,
         "block_size": BLOCK_SIZE,
@@ -130,6 +159,15 @@ def engine_kwargs(
         "speculative_config": speculative_config(AUX_LAYER_IDS, **keys),
         "kv_transfer_config": kv_transfer_config(storage),
         **overrides,
+    }
+
+
+def target_graphs_kwargs(mode: str = "FULL_AND_PIECEWISE") -> dict[str, Any]:
+    """Engine keywords for the target's graphs in ``mode``: no torch.compile
+    (mode 0; FULL graphs wrap the model directly), sizes left to vLLM."""
+    return {
+        "enforce_eager": False,
+        "compilation_config": {"mode": 0, "cudagraph_mode": mode},
     }
 
 

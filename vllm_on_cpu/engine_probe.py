@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_on_cpu import cuda_graph
+
 EXTENSION = f"{__name__}.EngineProbe"
 
 
@@ -48,4 +50,26 @@ class EngineProbe:
             "class": f"{type(speculator).__module__}.{type(speculator).__name__}",
             "stats": stats() if stats is not None else None,
             "draft_cg_support": support.name,
+            "cudagraph_mode": self.cudagraph_mode(),
+            # What the CPU stand-in graph API captured and replayed in this
+            # process (the target's graphs; zero where it is not installed).
+            "target_graphs": {
+                "captured": cuda_graph.counts.captured,
+                "replays": cuda_graph.counts.replays,
+                # FULL graphs the runner's manager holds now: fewer than
+                # captured where the memory profiler captured and dropped some.
+                "held": len(getattr(runner.cudagraph_manager, "graphs", ())),
+                # The token counts of the FULL graphs the runner holds, and
+                # the capture sizes vLLM resolved.
+                "full_sizes": _full_sizes(runner.cudagraph_manager),
+                "capture_sizes": list(
+                    self.vllm_config.compilation_config.cudagraph_capture_sizes or []
+                ),
+            },
         }
+
+
+def _full_sizes(manager: Any) -> list[int]:
+    if manager is None or not hasattr(manager, "captured_token_counts"):
+        return []
+    return manager.captured_token_counts()
