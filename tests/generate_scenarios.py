@@ -30,6 +30,7 @@ from vllm.inputs import TokensPrompt
 
 from vllm_on_cpu.engine import (
     MAX_NUM_BATCHED_TOKENS,
+    SERIES,
     WAYS,
     EngineRun,
     engine_env,
@@ -310,7 +311,7 @@ def scenario_run(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("way", choices=WAYS)
+    parser.add_argument("way", choices=(*WAYS, SERIES))
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("storage", type=Path, help="where the connector saves")
     parser.add_argument("out", type=Path, help="the JSON written")

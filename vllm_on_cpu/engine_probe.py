@@ -48,4 +48,22 @@ class EngineProbe:
             "class": f"{type(speculator).__module__}.{type(speculator).__name__}",
             "stats": stats() if stats is not None else None,
             "draft_cg_support": support.name,
+            "cudagraph_mode": self.cudagraph_mode(),
+            "vllm_graphs": vllm_graphs(speculator),
         }
+
+
+def vllm_graphs(speculator: Any) -> dict[str, dict[str, Any]]:
+    """The speculator's vLLM ``CudaGraphManager`` attributes (how vLLM's
+    own speculators hold their graphs): each one's mode and captured token
+    counts."""
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    return {
+        name: {
+            "mode": manager.cudagraph_mode.name,
+            "captured": sorted({desc.num_tokens for desc in manager.graphs}),
+        }
+        for name, manager in vars(speculator).items()
+        if isinstance(manager, CudaGraphManager)
+    }
