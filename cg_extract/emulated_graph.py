@@ -63,6 +63,12 @@ def _has_mask_index(args: tuple[Any, ...]) -> bool:
     )
 
 
+def uncapturable(name: str, args: tuple[Any, ...]) -> bool:
+    """Whether aten op ``name`` with ``args`` waits for the device or sizes
+    its output from device data, so that a CUDA graph cannot hold it."""
+    return name in _UNCAPTURABLE or (name == "aten::index" and _has_mask_index(args))
+
+
 @dataclass(frozen=True)
 class _TensorRef:
     """Where an op's tensor argument lives. External memory is named by its
@@ -134,7 +140,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
-        if name in _UNCAPTURABLE or (name == "aten::index" and _has_mask_index(args)):
+        if uncapturable(name, args):
             raise GraphCaptureError(
                 f"{name} (size {self.size}) synchronises with the host or sizes "
                 "its output from device data; a CUDA graph cannot capture it"

@@ -8,9 +8,11 @@ in a scratch copy and run (the CI test of issue 33).
   on the patched copy.
 * vLLM's real MRv2 engine on a CPU runs the patched copy with the plugin not
   loaded (the ``series`` way of :mod:`vllm_on_cpu.engine`), next to vLLM's own
-  speculator and the plugin's: every saved file byte-identical, the same
-  tokens, and the graph mode and replays of the plugin's under the mode the
-  runner resolves itself (NONE on a CPU: no replays either way).
+  speculator and the plugin's (way ``target``), both with the target's own
+  graphs (issue 31's stand-in graph API and graph-safe attention): every
+  saved file byte-identical, the same tokens, the same runner graph mode,
+  the same graph sizes and, scenario by scenario, as many copy-in and
+  zero-copy replays as the plugin's, and the target's replays unchanged.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def test_the_patches_own_tests_pass_on_the_copy(series):
 def results(series, model_dir, tmp_path_factory):
     require_cpu_engine()
     workdir = tmp_path_factory.mktemp("e2e_series")
-    ways = {"vllm": "vllm", "plugin": "graphs", SERIES: SERIES}
+    ways = {"vllm": "vllm", "plugin": "target", SERIES: SERIES}
     old = os.environ.get(SERIES_DIR)
     os.environ[SERIES_DIR] = str(series)
     try:
@@ -136,31 +138,45 @@ def test_the_engine_runs_the_patched_speculator(results):
         }
 
 
+def delta(result: dict, scenario: str, *keys: str) -> int:
+    (before,) = result[scenario]["stats_before"]
+    (after_,) = result[scenario]["stats_after"]
+    for key in keys:
+        before, after_ = before[key], after_[key]
+    return after_ - before
+
+
 def test_graph_modes_and_replays_as_the_plugins(results):
-    """Under the mode the runner resolved itself. On a CPU that is NONE for
-    both (the plugin's graphs way forces FULL_AND_PIECEWISE for its own
-    capture only, so its runner mode is compared, and its replays under
-    NONE are the eager way's: none)."""
+    """Both under the mode the runner resolved with the target's graphs."""
+    series, plugin = results[SERIES], results["plugin"]
     for scenario in SCENARIOS:
-        series, plugin = (
-            after(results[SERIES], scenario),
-            after(results["plugin"], scenario),
+        got, want = after(series, scenario), after(plugin, scenario)
+        assert got["cudagraph_mode"] == want["cudagraph_mode"] != "NONE"
+        graphs = got["vllm_graphs"]
+        for manager in ("cudagraph_manager", "zero_copy_cudagraph_manager"):
+            assert graphs[manager]["mode"] == "FULL", manager
+        assert (
+            graphs["cudagraph_manager"]["captured"] == (want["stats"]["captured_sizes"])
         )
-        assert series["cudagraph_mode"] == plugin["cudagraph_mode"]
-        mode = series["cudagraph_mode"]
-        graphs = series["vllm_graphs"]
-        if mode == "NONE":
-            assert graphs["cudagraph_manager"] == {"mode": "NONE", "captured": []}
-            assert graphs["zero_copy_cudagraph_manager"]["captured"] == []
-        else:  # target graphs on a CPU (issue 31): the plugin's sizes
-            assert (
-                graphs["cudagraph_manager"]["captured"]
-                == plugin["stats"]["captured_sizes"]
-            )
-            assert (
-                graphs["zero_copy_cudagraph_manager"]["captured"]
-                == plugin["stats"]["zero_copy_sizes"]
-            )
+        assert (
+            graphs["zero_copy_cudagraph_manager"]["captured"]
+            == (want["stats"]["zero_copy_sizes"])
+        )
+        copy_in = delta(series, scenario, "vllm_graphs", "cudagraph_manager", "replays")
+        zero_copy = delta(
+            series, scenario, "vllm_graphs", "zero_copy_cudagraph_manager", "replays"
+        )
+        what = f"{scenario}: series {copy_in} copy-in, {zero_copy} zero-copy"
+        assert copy_in == delta(plugin, scenario, "stats", "copy_in_replays"), what
+        assert zero_copy == delta(plugin, scenario, "stats", "zero_copy_replays"), what
+        assert copy_in + zero_copy > 0, what
+        # The stand-in graph API replays the series' graphs and the target's;
+        # the plugin's (emulated backend) are not among its counts.
+        target = delta(plugin, scenario, "target_graphs", "replays")
+        assert target > 0, scenario
+        assert delta(series, scenario, "target_graphs", "replays") == (
+            target + copy_in + zero_copy
+        ), what
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

