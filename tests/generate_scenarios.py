@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         "--mooncake-master", help="host:port of the Mooncake store's master"
     )
     args = parser.parse_args(argv)
-    if args.way == "target":
+    if args.way in ("target", SERIES):
         from vllm_on_cpu import target_graphs
 
         target_graphs.enable()  # before the config is built

@@ -37,6 +37,21 @@ def assert_same_saves(
         assert same_bytes(got[key], want[key]), f"{what}: {key} differ"
 
 
+def assert_same_request(
+    got: Mapping, want: Mapping, saved: Mapping[str, torch.Tensor], what: str
+) -> None:
+    """One request of a scenario's results as ``want`` (whose saved file is
+    ``saved``): the same tokens, finish reason, prefix hits and saved bytes."""
+    from vllm_on_cpu.engine import load_saved
+
+    assert got["output"] == want["output"], what
+    assert (got["finish_reason"], got["cached"]) == (
+        want["finish_reason"],
+        want["cached"],
+    ), what
+    assert_same_saves(load_saved(got["path"]), saved, what)
+
+
 UPSTREAM = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
 OURS = "cg_extract.speculator"
 

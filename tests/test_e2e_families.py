@@ -57,7 +57,7 @@ from tests.generate_scenarios import PREFIX
 from tests.model_families import FAMILIES, family_config
 from tests.real_engine import (
     assert_runs_its_speculator,
-    assert_same_saves,
+    assert_same_request,
     require_cpu_engine,
 )
 from vllm_on_cpu.engine import (
@@ -210,12 +210,7 @@ def test_three_ways_save_the_same_bytes(all_results, family, scenario):
         for way in ("eager", "graphs"):
             got = results[way][scenario]["requests"][i]
             what = f"{family}, {scenario}, request {i}, {way} against vLLM's"
-            assert got["output"] == want["output"], what
-            assert (got["finish_reason"], got["cached"]) == (
-                want["finish_reason"],
-                want["cached"],
-            ), what
-            assert_same_saves(load_saved(got["path"]), saved, what)
+            assert_same_request(got, want, saved, what)
 
 
 def delta(scenario: dict, key: str) -> int:

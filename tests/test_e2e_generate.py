@@ -18,7 +18,7 @@ import torch
 from tests.generate_scenarios import GENERATE_SCENARIOS, PREFIX, scenario_run
 from tests.real_engine import (
     assert_runs_its_speculator,
-    assert_same_saves,
+    assert_same_request,
     require_cpu_engine,
     run_engines,
 )
@@ -131,12 +131,7 @@ def test_three_ways_save_the_same_bytes(results, scenario):
         for way in ("eager", "graphs"):
             got = results[way][scenario]["requests"][i]
             what = f"{scenario}, request {i}, {way} against vLLM's speculator"
-            assert got["output"] == want["output"], what
-            assert (got["finish_reason"], got["cached"]) == (
-                want["finish_reason"],
-                want["cached"],
-            ), what
-            assert_same_saves(load_saved(got["path"]), saved, what)
+            assert_same_request(got, want, saved, what)
     assert len(results["eager"][scenario]["requests"]) == len(reference["requests"])
     assert len(results["graphs"][scenario]["requests"]) == len(reference["requests"])
 

@@ -21,7 +21,10 @@ The engine "ways" every scenario runs: vLLM's own speculator (the plugin not
 loaded), ours eagerly, ours with (emulated) graphs while the target runs
 eagerly, and ours with graphs while the target captures and replays its own
 graphs in the mode :data:`TARGET_MODE` names (``target``: the fake graph API
-and graph-safe attention of :mod:`vllm_on_cpu.target_graphs`, test fixtures).
+and graph-safe attention of :mod:`vllm_on_cpu.target_graphs`, test fixtures). One more way,
+``series``, runs vLLM with the patch series of ``upstream/`` applied (the
+scratch copy :data:`SERIES_DIR` names, first on ``PYTHONPATH``) and the plugin
+not loaded, with the target's graphs as in ``target``.
 """
 
 from __future__ import annotations
@@ -53,10 +56,14 @@ WORKER = "vllm_on_cpu.worker.SpeculatorGraphsCPUWorker"
 # The ways every scenario runs; the target-graphs way runs a few
 # (tests/test_e2e_target_graphs.py).
 WAYS = ("vllm", "eager", "graphs")
-ALL_WAYS = (*WAYS, "target")
+# The upstream/ series way: vLLM with upstream/'s patches, the plugin not loaded.
+SERIES = "series"
+ALL_WAYS = (*WAYS, "target", SERIES)
 # The target way's cudagraph_mode, as an environment variable of its process.
 TARGET_MODE = "VLLM_ON_CPU_CUDAGRAPH_MODE"
 TARGET_MODES = ("FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE")
+# The folder apply_series.py made: a vLLM with upstream/'s patches applied.
+SERIES_DIR = "CG_EXTRACT_SERIES_DIR"
 AUX_LAYER_IDS = [1, 2, 3]
 MAX_NUM_BATCHED_TOKENS = 64  # small, so that long prompts prefill in chunks
 # Steps of up to 32 tokens replay a graph, larger ones run eagerly: the real
@@ -109,15 +116,23 @@ def engine_env(way: str, **extra: str) -> dict[str, str]:
     adds to it."""
     if way not in ALL_WAYS:
         raise ValueError(f"way must be one of {ALL_WAYS}, got {way!r}")
-    target = target_env() if way == "target" else {}
-    return {
+    target = target_env() if way in ("target", SERIES) else {}
+    env = {
         **os.environ,
         **cpu_env(),
         # vLLM's own speculator: no plugin at all (VLLM_PLUGINS="" loads none).
-        "VLLM_PLUGINS": "" if way == "vllm" else PLUGIN,
+        "VLLM_PLUGINS": "" if way in ("vllm", SERIES) else PLUGIN,
         **target,
         **extra,
     }
+    if way == SERIES:
+        if not os.environ.get(SERIES_DIR):
+            raise ValueError(
+                f"way {SERIES!r} needs {SERIES_DIR} set to a folder made by "
+                "upstream/apply_series.py"
+            )
+        env["PYTHONPATH"] = os.pathsep.join([os.environ[SERIES_DIR], env["PYTHONPATH"]])
+    return env
 
 
 def engine_kwargs(
@@ -132,9 +147,14 @@ def engine_kwargs(
 
     keys = emulated_graph_keys(CAPTURE_SIZES) if way == "graphs" else {}
     graphs = {"enforce_eager": True}  # inductor would need a real Triton driver
-    if way == "target":
+    if way in ("target", SERIES):
         # No capture sizes, ours or vLLM's: both come from vLLM's resolution.
-        keys = {"cudagraph": True, "cudagraph_backend": "emulated"}
+        # vLLM with the series takes no key of ours.
+        keys = (
+            {}
+            if way == SERIES
+            else {"cudagraph": True, "cudagraph_backend": "emulated"}
+        )
         mode = os.environ.get(TARGET_MODE, "FULL_AND_PIECEWISE")
         if mode not in TARGET_MODES:
             raise ValueError(

