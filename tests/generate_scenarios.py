@@ -31,6 +31,7 @@ from vllm.inputs import TokensPrompt
 from vllm_on_cpu.engine import (
     ALL_WAYS,
     MAX_NUM_BATCHED_TOKENS,
+    SERIES,
     EngineRun,
     engine_env,
     engine_kwargs,
