@@ -251,15 +251,20 @@ def server_prompts() -> list[list[int]]:
 
 
 def short_client_prompts(run: Run):
-    """Short prompts, sent together after the others by
-    ``tests/test_e2e_data_parallel.py``: each server rank's share then fits
-    a graph."""
+    """Short prompts, sent together after the others by the server tests.
+    They total the largest capture size, so every step they make replays a
+    graph however the server batches them (which depends on timing)."""
     return run.generate(short_prompts(), params(1, with_outputs=False)), {}
 
 
 def short_prompts() -> list[list[int]]:
     rng = random.Random(5)
-    return [tokens(rng, n) for n in (1, 2, 3, 5, 6, 7, 9, 11)]
+    return [tokens(rng, n) for n in (1, 2, 3, 3, 4, 5, 6, 8)]
+
+
+# What the server tests' client sends, one wave after the other, each all at
+# once: prompts of many lengths, then short ones that always fit a graph.
+CLIENT_WAVES = {"client_prompts": server_prompts, "short_client_prompts": short_prompts}
 
 
 SCENARIOS: dict[str, Callable[[Run], tuple[list[dict[str, Any]], dict]]] = {

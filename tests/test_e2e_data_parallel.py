@@ -21,7 +21,8 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 import asyncio
 import json
 
-from tests.generate_scenarios import scenario_run, server_prompts, short_prompts
+from tests.generate_scenarios import CLIENT_WAVES as WAVES
+from tests.generate_scenarios import scenario_run
 from tests.openai_server import serve
 from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
 from tests.users_client import fetch_all
@@ -30,9 +31,6 @@ from vllm_on_cpu.engine import CAPTURE_SIZES, engine_env, engine_kwargs, load_sa
 pytestmark = pytest.mark.e2e
 
 RANKS = ["dp0_tp0", "dp1_tp0"]
-# What the client sends, one wave after the other, each all at once: the
-# server tests' prompts, then short ones whose share on each rank fits a graph.
-WAVES = {"client_prompts": server_prompts, "short_client_prompts": short_prompts}
 
 
 def pad(num_tokens: int) -> int | None:
