@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25  # the slowest, for the CI time budget
 
 # Only the tests that run vLLM's real MRv2 engine on this CPU (make test runs them too).
 e2e: $(STAMP)
