@@ -38,16 +38,25 @@ from tests.model_families import (
     family_engine_args,
     write_family_dir,
 )
+from vllm_on_cpu import target_graphs
 from vllm_on_cpu.engine import WAYS, EngineRun, engine_env, engine_kwargs
 
-# What each family runs (see tests/test_e2e_families.py for why).
+# What each family runs (see tests/test_e2e_families.py for why). Decode
+# comes first: the target-graphs way runs it alone, on a fresh engine, and
+# must get the same prompts (one seeded generator draws every scenario's).
 FAMILY_SCENARIOS = {
     "qwen3": ["decode", "prefix_cache_hits"],
-    "qwen3_moe": ["chunked_prefill", "decode"],
-    "gpt_oss": ["chunked_prefill", "prefix_cache_hits", "decode"],
-    "qwen3_next": ["chunked_prefill", "prefix_cache_hits", "decode"],
+    "qwen3_moe": ["decode", "chunked_prefill"],
+    "gpt_oss": ["decode", "chunked_prefill", "prefix_cache_hits"],
+    "qwen3_next": ["decode", "chunked_prefill", "prefix_cache_hits"],
     "deepseek_v2": ["decode", "many_prompt_lengths"],
 }
+# The ways of this script: tests/test_e2e_families.py's three, and the
+# target's own graphs (vllm_on_cpu.target_graphs), which runs decode alone:
+# its steps are the ones the target's FULL graphs and our zero-copy ones
+# hold, and CI has two cores.
+FAMILY_WAYS = (*WAYS, "target")
+TARGET_FAMILY_SCENARIOS = ["decode"]
 # Engine keywords a family needs beyond vllm_on_cpu.engine.engine_kwargs'.
 FAMILY_ENGINE: dict[str, dict[str, Any]] = {
     # Its two attention groups set the common page; the hidden-state group's
@@ -74,6 +83,29 @@ def kv_cache_groups(llm) -> list[dict[str, Any]]:
     ]
 
 
+def attention_cg_support(llm) -> list[dict[str, str]]:
+    """Each of the runner's attention groups: its backend and the CUDA graph
+    support its metadata builder reports, the values vLLM resolves the
+    runner's graph mode from (``get_attn_cg_support``, the weakest wins)."""
+    engine_core = llm.llm_engine.engine_core.engine_core
+    runner = engine_core.model_executor.driver_worker.worker.model_runner
+    config = runner.vllm_config
+    return [
+        {
+            "backend": group.backend.get_name(),
+            "support": group.get_metadata_builder(0)
+            .get_cudagraph_support(config, group.kv_cache_spec)
+            .name,
+        }
+        for groups in runner.attn_groups
+        for group in groups
+    ]
+
+
+def family_scenarios(way: str, family: str) -> list[str]:
+    return TARGET_FAMILY_SCENARIOS if way == "target" else FAMILY_SCENARIOS[family]
+
+
 def family_llm_kwargs(way: str, family: str, workdir: Path) -> dict[str, Any]:
     """``LLM(...)`` keywords for ``family`` in ``way``: its tiny config
     written under ``workdir/<family>/model``, its files saved under
@@ -88,13 +120,19 @@ def family_llm_kwargs(way: str, family: str, workdir: Path) -> dict[str, Any]:
 
 
 def run_family(way: str, family: str, workdir: Path) -> dict[str, Any]:
+    if way == "target":
+        target_graphs.enable()  # before the config is built
     kwargs = family_llm_kwargs(way, family, workdir)
     storage = workdir / family / way
     llm = None
     try:
         llm = LLM(**kwargs)
-        results = Run(llm, storage).run_scenarios(FAMILY_SCENARIOS[family])
-        return {"kv_cache_groups": kv_cache_groups(llm), **results}
+        results = Run(llm, storage).run_scenarios(family_scenarios(way, family))
+        return {
+            "kv_cache_groups": kv_cache_groups(llm),
+            "attention_cg_support": attention_cg_support(llm),
+            **results,
+        }
     finally:
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
@@ -137,7 +175,7 @@ def family_dtype(family: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("way", choices=WAYS)
+    parser.add_argument("way", choices=FAMILY_WAYS)
     parser.add_argument("workdir", type=Path)
     parser.add_argument("out", type=Path, help="the JSON written")
     parser.add_argument("families", nargs="+", choices=sorted(FAMILIES))

