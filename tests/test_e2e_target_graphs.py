@@ -131,6 +131,6 @@ def test_our_graphs_took_the_backends_path(results, mode):
         assert api["graphs"] > 0, scenario
         fake = api["graphs"] if cuda else 0
         assert api["in_global_pool"] == api["on_vllm_stream"] == fake, scenario
-        assert api["runner_pool_is_global"], scenario
+        assert api.get("runner_pool_is_global", not cuda), scenario
         ours = delta(got, "stats", "replays") if cuda else 0
         assert delta(got, "graph_api", "replays") == ours, scenario
