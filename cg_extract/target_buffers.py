@@ -42,7 +42,11 @@ def publish(
 
 
 def get(device: torch.device | str) -> TargetGraphs | None:
-    """What the live target manager on ``device`` published, or None."""
+    """What the live target manager on ``device`` published, or None.
+
+    The buffers are read now, not at :func:`publish`: vLLM's manager
+    allocates them inside its own capture, and our capture (which asks)
+    runs after it in ``capture_model``. None when it has not captured yet."""
     entry = _published.get(torch.device(device))
     manager = entry[0]() if entry else None
     if manager is None or not manager.aux_hidden_states:

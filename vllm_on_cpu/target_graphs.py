@@ -13,7 +13,10 @@ undoes exactly those, in this process, for the engine way that asks
   :mod:`vllm_on_cpu.graph_attention`): the platform hands out that fixture's
   backend instead, for the default (non-MLA) attention.
 
-The graph API itself is :mod:`vllm_on_cpu.cuda_graph`'s fake. The worker
+The graph API itself is :mod:`vllm_on_cpu.cuda_graph`'s fake; where our
+speculator asks for the ``cuda`` backend (:data:`vllm_on_cpu.engine.TARGET_BACKEND`),
+this process's ``torch.cuda`` also says CUDA is there
+(:func:`~vllm_on_cpu.cuda_graph.declare_cuda`, a fake too). The worker
 (:mod:`vllm_on_cpu.worker`) then runs the GPU worker's order:
 ``profile_cudagraph_memory`` with its teardown, then ``capture_model``.
 """
@@ -25,6 +28,7 @@ import os
 from vllm.logger import init_logger
 
 from vllm_on_cpu import cuda_graph
+from vllm_on_cpu.engine import target_backend
 
 logger = init_logger(__name__)
 
@@ -50,6 +54,8 @@ def enable() -> None:
     from vllm_on_cpu import graph_attention
 
     cuda_graph.install()
+    if target_backend() == "cuda":
+        cuda_graph.declare_cuda()
     CpuPlatform.support_static_graph_mode = classmethod(lambda cls: True)
 
     check = CpuPlatform.check_and_update_config.__func__
