@@ -64,10 +64,10 @@ from perf.engines import VLLM_DTYPES, Mode
 from perf.measure import Timings
 
 MODES = {
-    "baseline": Mode("baseline", "the target alone: no speculator, no connector", None),
-    "upstream": Mode("upstream", "vLLM's own speculator, saving hidden states", None),
-    "eager": Mode("eager", "ours, cudagraph false, saving hidden states", None),
-    "graph": Mode("graph", "ours, cudagraph true, saving hidden states", None),
+    "baseline": Mode("the target alone: no speculator, no connector"),
+    "upstream": Mode("vLLM's own speculator, saving hidden states"),
+    "eager": Mode("ours, cudagraph false, saving hidden states"),
+    "graph": Mode("ours, cudagraph true, saving hidden states"),
 }
 # Mode -> our keys in the speculative config; absent: vLLM's speculator, the
 # plugin not loaded in the engine's processes.

@@ -121,7 +121,7 @@ class RecordingRunner(Runner):
 class RecordingEngine(Engine):
     name = "recording"
     MODES = {
-        m: Mode(m, m, lambda engine, m=m: RecordingRunner(engine, m))
+        m: Mode(m, lambda engine, m=m: RecordingRunner(engine, m))
         for m in ("upstream", "eager", "graph")
     }
 
