@@ -147,6 +147,11 @@ class Engine(ABC):
             except ModeUnavailable as why:
                 self.skipped[name] = str(why)
 
+    def graph_summaries(self) -> dict[str, Any]:
+        """Each graph mode's :meth:`Runner.graph_summary`."""
+        summaries = {m: r.graph_summary() for m, r in self.runners.items()}
+        return {m: s for m, s in summaries.items() if s is not None}
+
     def require_cuda_graphs(self) -> None:
         """Real graphs need CUDA; the emulated backend (tests only) runs anywhere."""
         if self.graph_backend == "cuda" and self.device.type != "cuda":

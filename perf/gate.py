@@ -33,16 +33,8 @@ from perf.machine import machine_key
 from perf.report import COLUMNS, KEY, MEASURED, PARAMETERS, TEXT
 
 PASS, FAIL, REFUSED = 0, 1, 2
-RULE_COLUMNS = [
-    "metric",
-    "engines",
-    "modes",
-    "tokens",
-    "where",
-    "direction",
-    "limit",
-    "why",
-]
+RULE_COLUMNS = ["metric", "engines", "modes", "tokens", "where", "direction", "limit",
+                "why"]  # fmt: skip
 WHERE = ("run", "cpu_run", "baseline", "same_machine", "same_gpu")
 RUN_ALONE = ("run", "cpu_run")
 DIRECTIONS = ("true", "higher", "lower")

@@ -610,7 +610,7 @@ def test_graph_capture_cost_goes_to_the_meta_json():
     engine = KernelEngine(params(), graph_backend="emulated")
     with graph_steps_kept():
         engine.build(["upstream", "eager", "graph", "graph_copy_in"])
-    summaries = sweep.graph_summaries(engine)
+    summaries = engine.graph_summaries()
     assert set(summaries) == {"graph", "graph_copy_in"}
     graph, copy_in = summaries["graph"], summaries["graph_copy_in"]
     assert set(graph["capture_times_s"]) == {"copy_in", "zero_copy"}
