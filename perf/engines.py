@@ -45,6 +45,10 @@ def engine_module(name: str):
     return importlib.import_module(ENGINE_MODULES[name])
 
 
+def engine_modes(name: str) -> list[str]:
+    return list(engine_module(name).MODES)
+
+
 class ModeUnavailable(Exception):
     """This machine cannot run the mode; the message says why."""
 

@@ -125,9 +125,9 @@ def load_rules(path: Path) -> list[Rule]:
 
 def known_modes() -> dict[str, list[str]]:
     """Every engine the sweep has, and its modes: what a rule may name."""
-    from perf.engines import ENGINE_MODULES, engine_module
+    from perf.engines import ENGINE_MODULES, engine_modes
 
-    return {engine: list(engine_module(engine).MODES) for engine in ENGINE_MODULES}
+    return {engine: engine_modes(engine) for engine in ENGINE_MODULES}
 
 
 def _check_names(at: str, kind: str, spec: str, known: list[str]) -> None:

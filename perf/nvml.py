@@ -165,19 +165,14 @@ class NvmlSampler:
                 self._rows[label].samples.append(sample)
 
     def _sample(self) -> dict[str, float]:
-        nvml, handle = self._nvml, self._handle
-        return {
-            "gpu_util_pct": self._read(
-                lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu
-            ),
-            "gpu_mem_used_mib": self._read(
-                lambda: nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
-            ),
-            "power_w": self._read(lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1e3),
-            "sm_clock_mhz": self._read(
-                lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)
-            ),
+        nvml, h = self._nvml, self._handle
+        queries = {
+            "gpu_util_pct": lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu,
+            "gpu_mem_used_mib": lambda: nvml.nvmlDeviceGetMemoryInfo(h).used / 2**20,
+            "power_w": lambda: nvml.nvmlDeviceGetPowerUsage(h) / 1e3,
+            "sm_clock_mhz": lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
         }
+        return {column: self._read(query) for column, query in queries.items()}
 
     def _energy_mj(self) -> float | None:
         value = self._read(

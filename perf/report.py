@@ -156,17 +156,16 @@ def plot(
         latency.plot(rows["num_tokens"], rows["p50_us"], **style)
         if mode != "upstream" and rows["speedup_vs_upstream"].notna().any():
             speedup.plot(rows["num_tokens"], rows["speedup_vs_upstream"], **style)
-    engines_run = set(frame["engine"])
+    engines = set(frame["engine"])
     # A whole engine's size is prompts per run and its latency a request's.
     xlabel = "prompts per run" if whole_engine(frame) else "tokens per step"
     what = "request" if whole_engine(frame) else "step"
     latency.set(
         xlabel=xlabel, ylabel=f"p50 {what} latency (us)", title=f"{what} latency"
     )
-    engines = set(engines_run)
     reference = "each engine's upstream"
     if len(engines) == 1 and engines <= UPSTREAM.keys():
-        reference = UPSTREAM[engines.pop()]
+        reference = UPSTREAM[next(iter(engines))]
     speedup.set(
         xlabel=xlabel,
         ylabel="p50 upstream / p50 mode (log)",
@@ -189,7 +188,7 @@ def plot(
         ax.legend(fontsize="small")
     if len(frame):
         title = plot_title(frame)
-        if "vllm" in engines_run and frame.iloc[0]["device"] == "cpu":
+        if "vllm" in engines and frame.iloc[0]["device"] == "cpu":
             title += (
                 "\nvLLM's engine on a CPU: timings informative only, not GPU figures"
             )

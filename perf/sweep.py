@@ -38,6 +38,7 @@ from perf.engines import (
     Params,
     Runner,
     caches_equal,
+    engine_modes,
     engine_module,
     estimate_bytes,
 )
@@ -130,14 +131,7 @@ def non_negative_int(text: str) -> int:
 
 
 def all_modes() -> list[str]:
-    names: dict[str, None] = {}
-    for engine in ENGINE_MODULES:
-        names.update(dict.fromkeys(engine_modes(engine)))
-    return list(names)
-
-
-def engine_modes(engine: str) -> list[str]:
-    return list(engine_module(engine).MODES)
+    return list(dict.fromkeys(m for e in ENGINE_MODULES for m in engine_modes(e)))
 
 
 def _epilog() -> str:
@@ -513,10 +507,7 @@ def measure_size(
                 "device": engine.device.type,
                 "num_tokens": num_tokens,
                 "padded_tokens": counts[mode].padded_tokens(num_tokens),
-                "p50_us": t.percentile(50),
-                "p90_us": t.percentile(90),
-                "p99_us": t.percentile(99),
-                "host_us": t.host_median_us,
+                **t.columns(),
                 "tokens_per_s": num_tokens / p50_s,
                 "ops_per_step": len(counts[mode].dispatched),
                 "replayed_ops_per_step": len(counts[mode].replayed),
