@@ -125,13 +125,10 @@ class Engine(ABC):
         self.device = params.device
         # "emulated" only for tests that check the graph path's bytes on CPU.
         self.graph_backend = graph_backend
+        self.block_size = params.block_size  # the speculator engine's is vLLM's
         self.runners: dict[str, Runner] = {}
         self.skipped: dict[str, str] = {}
         self.reference: Runner | None = None
-
-    @property
-    @abstractmethod
-    def block_size(self) -> int: ...
 
     @abstractmethod
     def make_inputs(self, num_tokens: int, generator: torch.Generator) -> Any:
@@ -164,9 +161,9 @@ class Engine(ABC):
                 f"{self.device.type} (an emulated replay is not a graph timing)"
             )
 
-    def num_blocks(self, block_size: int) -> int:
+    def num_blocks(self) -> int:
         """Enough blocks for every token of the largest step, plus the null block."""
-        return -(-self.params.max_tokens // block_size) + 1
+        return -(-self.params.max_tokens // self.block_size) + 1
 
     def payload_bytes(self, num_tokens: int) -> int:
         """Hidden-state bytes one step stores: the floor reads and writes them once."""

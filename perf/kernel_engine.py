@@ -154,21 +154,16 @@ class KernelEngine(Engine):
         ),
     }
 
-    @property
-    def block_size(self) -> int:
-        return self.params.block_size
-
     def zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.params.torch_dtype, device=self.device)
 
     def new_cache(self) -> torch.Tensor:
         p = self.params
-        blocks = self.num_blocks(p.block_size)
-        return self.zeros(blocks, p.num_layers, p.block_size, p.hidden_size)
+        return self.zeros(self.num_blocks(), p.num_layers, p.block_size, p.hidden_size)
 
     def make_inputs(self, num_tokens: int, generator: torch.Generator) -> KernelInputs:
         p = self.params
-        capacity = (self.num_blocks(p.block_size) - 1) * p.block_size
+        capacity = (self.num_blocks() - 1) * p.block_size
         slots = torch.randperm(capacity, generator=generator)[:num_tokens]
         num_reqs = min(num_tokens, MAX_NUM_REQS)
         aux = [

@@ -36,7 +36,7 @@ class SpeculatorRunner(Runner):
         from vllm_on_cpu.harness import attach_target_graph_outputs, load_speculator
 
         cfg = engine.vllm_config(**our_keys)
-        blocks = engine.num_blocks(cfg.cache_config.block_size)
+        blocks = engine.num_blocks()  # every config has the engine's block size
         self.loaded = load_speculator(cls, cfg, engine.device, num_blocks=blocks)
         self.kv_cache = self.loaded.kv_cache
         self.target = None
@@ -162,11 +162,7 @@ class SpeculatorEngine(Engine):
             num_layers=max(params.aux_layers) + 1,
             dtype=VLLM_DTYPES[params.dtype],
         )
-        self._block_size = self.vllm_config().cache_config.block_size
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
+        self.block_size = self.vllm_config().cache_config.block_size
 
     def vllm_config(self, **our_keys: Any):
         from vllm_on_cpu.harness import build_vllm_config

@@ -127,11 +127,8 @@ class RecordingEngine(Engine):
 
     def __init__(self):
         super().__init__(params(max_tokens=8))
+        self.block_size = 4
         self.log: list[str] = []
-
-    @property
-    def block_size(self) -> int:
-        return 4
 
     def make_inputs(self, num_tokens, generator):
         hidden = torch.randn(num_tokens, 1, 2, generator=generator)
