@@ -52,15 +52,15 @@ def main(argv: list[str] | None = None) -> None:
         worker_connector,
         write_model_dir,
     )
+    from vllm_on_cpu.hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+        kv_transfer_config,
+    )
 
     device = torch.device("cuda" if args.backend == "cuda" else "cpu")
     tmp = Path(tempfile.mkdtemp())
     model_dir = write_model_dir(tmp / "model")
-    kv = {
-        "kv_connector": "ExampleHiddenStatesConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(tmp / "states")},
-    }
+    kv = kv_transfer_config(tmp / "states", ExampleHiddenStatesConnector)
     keys = dict(
         cudagraph=True,
         cudagraph_backend=args.backend,

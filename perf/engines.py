@@ -45,6 +45,10 @@ def engine_module(name: str):
     return importlib.import_module(ENGINE_MODULES[name])
 
 
+def engine_modes(name: str) -> list[str]:
+    return list(engine_module(name).MODES)
+
+
 class ModeUnavailable(Exception):
     """This machine cannot run the mode; the message says why."""
 
@@ -78,7 +82,6 @@ class Runner(ABC):
     runner declares none of them.
     """
 
-    mode: str
     kv_cache: torch.Tensor
 
     @abstractmethod
@@ -105,11 +108,10 @@ class Runner(ABC):
 
 @dataclass(frozen=True)
 class Mode:
-    name: str
     summary: str  # one line for --help
     # engine -> runner, raising ModeUnavailable; None for the vllm engine,
     # whose modes are engine configurations rather than runners
-    build: Callable[[Any], Runner] | None
+    build: Callable[[Any], Runner] | None = None
 
 
 class Engine(ABC):
@@ -118,16 +120,15 @@ class Engine(ABC):
     name: str
     MODES: dict[str, Mode]
 
-    def __init__(self, params: Params):
+    def __init__(self, params: Params, graph_backend: str = "cuda"):
         self.params = params
         self.device = params.device
+        # "emulated" only for tests that check the graph path's bytes on CPU.
+        self.graph_backend = graph_backend
+        self.block_size = params.block_size  # the speculator engine's is vLLM's
         self.runners: dict[str, Runner] = {}
         self.skipped: dict[str, str] = {}
         self.reference: Runner | None = None
-
-    @property
-    @abstractmethod
-    def block_size(self) -> int: ...
 
     @abstractmethod
     def make_inputs(self, num_tokens: int, generator: torch.Generator) -> Any:
@@ -147,6 +148,23 @@ class Engine(ABC):
             except ModeUnavailable as why:
                 self.skipped[name] = str(why)
 
+    def graph_summaries(self) -> dict[str, Any]:
+        """Each graph mode's :meth:`Runner.graph_summary`."""
+        summaries = {m: r.graph_summary() for m, r in self.runners.items()}
+        return {m: s for m, s in summaries.items() if s is not None}
+
+    def require_cuda_graphs(self) -> None:
+        """Real graphs need CUDA; the emulated backend (tests only) runs anywhere."""
+        if self.graph_backend == "cuda" and self.device.type != "cuda":
+            raise ModeUnavailable(
+                f"real CUDA graphs need a CUDA device; this run is on "
+                f"{self.device.type} (an emulated replay is not a graph timing)"
+            )
+
+    def num_blocks(self) -> int:
+        """Enough blocks for every token of the largest step, plus the null block."""
+        return -(-self.params.max_tokens // self.block_size) + 1
+
     def payload_bytes(self, num_tokens: int) -> int:
         """Hidden-state bytes one step stores: the floor reads and writes them once."""
         p = self.params
@@ -162,7 +180,7 @@ def estimate_bytes(params: Params, num_runners: int) -> int:
     rounding) and a ``[max_tokens, L, H]`` staging buffer; the inputs add the
     aux hidden states and the upstream arithmetic's stacked temporary.
     """
-    row = params.num_layers * params.hidden_size * _itemsize(params.torch_dtype)
+    row = params.num_layers * params.hidden_size * params.torch_dtype.itemsize
     cache = (params.max_tokens + 2 * MAX_BLOCK_SIZE) * row
     staging = params.max_tokens * row
     inputs = 2 * params.max_tokens * row
@@ -172,21 +190,4 @@ def estimate_bytes(params: Params, num_runners: int) -> int:
 def caches_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Byte-for-byte equality outside block 0, the null block where vLLM's
     write sends padding (ours writes padding nowhere)."""
-    return torch.equal(_bytes(a[1:]), _bytes(b[1:]))
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def require_cuda_graphs(engine: Engine, backend: str) -> None:
-    """Real graphs need CUDA; the emulated backend (tests only) runs anywhere."""
-    if backend == "cuda" and engine.device.type != "cuda":
-        raise ModeUnavailable(
-            f"real CUDA graphs need a CUDA device; this run is on "
-            f"{engine.device.type} (an emulated replay is not a graph timing)"
-        )
+    return torch.equal(*(t[1:].contiguous().view(torch.uint8) for t in (a, b)))

@@ -27,26 +27,18 @@ class FakeNvml(types.ModuleType):
     NVMLError = NVMLError
     NVML_CLOCK_SM = NVML_CLOCK_SM
 
-    def __init__(
-        self,
-        device_count: int = 1,
-        driver_loaded: bool = True,
-        unsupported: tuple[str, ...] = (),
-        util_pct: int = 42,
-        mem_used_bytes: int = 3 * 2**30,
-        power_mw: int = 250_000,
-        sm_clock_mhz: int = 1755,
-        energy_step_mj: int = 1000,
-    ):
+    # Its readings; a test may set them on an instance.
+    util_pct = 42
+    mem_used_bytes = 3 * 2**30
+    power_mw = 250_000
+    sm_clock_mhz = 1755
+    energy_step_mj = 1000  # the counter's rise per read
+
+    def __init__(self, device_count=1, driver_loaded=True, unsupported=()):
         super().__init__("fake_pynvml", "A fake of pynvml for tests; not NVML.")
         self.device_count = device_count
         self.driver_loaded = driver_loaded
         self.unsupported = set(unsupported)  # names of calls that raise NotSupported
-        self.util_pct = util_pct
-        self.mem_used_bytes = mem_used_bytes
-        self.power_mw = power_mw
-        self.sm_clock_mhz = sm_clock_mhz
-        self.energy_step_mj = energy_step_mj  # the counter's rise per read
         self.initialized = 0  # NVML counts nested nvmlInit calls
         self.calls: list[str] = []
         self._energy_mj = 10**9

@@ -33,16 +33,8 @@ from perf.machine import machine_key
 from perf.report import COLUMNS, KEY, MEASURED, PARAMETERS, TEXT
 
 PASS, FAIL, REFUSED = 0, 1, 2
-RULE_COLUMNS = [
-    "metric",
-    "engines",
-    "modes",
-    "tokens",
-    "where",
-    "direction",
-    "limit",
-    "why",
-]
+RULE_COLUMNS = ["metric", "engines", "modes", "tokens", "where", "direction", "limit",
+                "why"]  # fmt: skip
 WHERE = ("run", "cpu_run", "baseline", "same_machine", "same_gpu")
 RUN_ALONE = ("run", "cpu_run")
 DIRECTIONS = ("true", "higher", "lower")
@@ -133,9 +125,9 @@ def load_rules(path: Path) -> list[Rule]:
 
 def known_modes() -> dict[str, list[str]]:
     """Every engine the sweep has, and its modes: what a rule may name."""
-    from perf.engines import ENGINE_MODULES, engine_module
+    from perf.engines import ENGINE_MODULES, engine_modes
 
-    return {engine: list(engine_module(engine).MODES) for engine in ENGINE_MODULES}
+    return {engine: engine_modes(engine) for engine in ENGINE_MODULES}
 
 
 def _check_names(at: str, kind: str, spec: str, known: list[str]) -> None:

@@ -1,35 +1,19 @@
 #!/usr/bin/env bash
 # GPU check for a CUDA machine WITHOUT vLLM (python3 with torch, triton,
-# nvidia-ml-py, tqdm, pandas, matplotlib, pytest, hypothesis). Steps:
-#   env     what the machine has (env.log)
-#   collect every test file collects (collect.log): test files that import
-#           vLLM skip themselves, so an error here is a file that does not
-#   tests   the cuda-marked tests (pytest.log, junit.xml): real graphs, the
-#           Triton kernel, the runner imitation (its capture times, graph
-#           memory and replays per path on `runner_imitation:` lines), NVML
-#   sweep   a `kernel` sweep with real CUDA graphs and CUDA-event timing
-#           (sweep.log, kernel.csv/.png/.meta.json: capture cost in the meta)
-# env and collect need no CUDA; without CUDA the check stops after them.
-# The whole check fits one 5-minute try: it ends within 285 s of its start
-# plus a few seconds for the verdict. env and collect are capped at 90 s each
-# (seconds on an idle machine; a busy CI runner needs more), tests at 140 s
-# or what leaves the sweep 75 s, the sweep at what is left; a capped step gets
-# 5 s more to stop. Tests and sweep are stopped with SIGINT, on which pytest
-# prints its summary and the sweep keeps its finished rows.
+# nvidia-ml-py, tqdm, pandas, matplotlib, pytest, hypothesis). Steps: env,
+# collect (neither needs CUDA; without it the check stops after them), the
+# cuda-marked tests, a `kernel` sweep. perf/README.md ("GPU check") gives what
+# each runs and writes, its cap (the whole check ends within 285 s plus the
+# verdict; a capped step gets 5 s more, tests and sweep stopped by SIGINT) and
+# the exit status: 0 passed, 1 a CUDA step failed, 2 could not start, 3 no
+# CUDA here.
 #
 #   perf/gpu_check.sh OUTDIR        (PY=... to use another interpreter)
 #
 # OUTDIR gets two files (a GPU machine returns at most 8): summary.txt, one
-# line per step, then one verdict line; and gpu_check.tar.gz, every log and
-# result named above. Exit status: 0 passed; 1 a CUDA step failed (a test,
-# the sweep, a wrong byte, a cap reached, or every cuda test skipped); 2 could
-# not start (no interpreter, a module missing, a test file that does not
-# collect, pytest or the sweep refusing to run); 3 no CUDA here (every step
-# that needs none passed).
-#
+# line per step and a verdict; gpu_check.tar.gz, every log and result.
 # GPU_CHECK_STAND_IN=SCRIPT (tests/test_gpu_check.py only): a STAND-IN writes
-# the CUDA steps' results (`$PY SCRIPT tests|sweep ARGS...`) on a machine
-# without CUDA, so their verdict branches run; summary.txt says so.
+# the CUDA steps' results (`$PY SCRIPT tests|sweep ARGS...`); summary.txt says so.
 set -uo pipefail
 OUT=${1:?usage: perf/gpu_check.sh OUTDIR}
 cd "$(dirname "$0")/.."

@@ -19,7 +19,7 @@ from cg_extract.cache_write import write_per_layer, write_stacked
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.write_graphs import PAD_SLOT_ID, GraphInputs, WriteGraphs
 from cg_extract.write_op import write_hidden_states
-from perf.engines import Engine, Mode, Params, Runner, require_cuda_graphs
+from perf.engines import Engine, Mode, Runner
 
 MAX_NUM_REQS = 256
 
@@ -45,11 +45,10 @@ class UpstreamKernel(Runner):
     """vLLM's arithmetic: stack into a temporary, copy it into the staging
     buffer, scatter the buffer into the cache."""
 
-    mode = "upstream"
-
     def __init__(self, engine: KernelEngine):
+        p = engine.params
         self.kv_cache = engine.new_cache()
-        self.hidden_states = engine.new_staging()
+        self.hidden_states = engine.zeros(p.max_tokens, p.num_layers, p.hidden_size)
 
     def step(self, inputs: KernelInputs) -> torch.Tensor:
         draft = draft_tokens(inputs)
@@ -65,14 +64,7 @@ class EagerKernel(Runner):
     straight to its cache slot (``per_layer``: the same through one scatter
     per layer, the write before the op)."""
 
-    def __init__(
-        self,
-        engine: KernelEngine,
-        kv_cache: torch.Tensor | None = None,
-        mode: str = "eager",
-        write=write_hidden_states,
-    ):
-        self.mode = mode
+    def __init__(self, engine: KernelEngine, kv_cache=None, write=write_hidden_states):
         self.write = write
         self.kv_cache = engine.new_cache() if kv_cache is None else kv_cache
 
@@ -91,10 +83,9 @@ class GraphKernel(Runner):
     Otherwise every step copies its inputs into the static buffers first.
     """
 
-    def __init__(self, engine: KernelEngine, mode: str, in_place: bool):
-        require_cuda_graphs(engine, engine.graph_backend)
+    def __init__(self, engine: KernelEngine, in_place: bool):
+        engine.require_cuda_graphs()
         p = engine.params
-        self.mode = mode
         self.kv_cache = engine.new_cache()
         self.eager = EagerKernel(engine, kv_cache=self.kv_cache)
         self.graphs = WriteGraphs(
@@ -110,10 +101,8 @@ class GraphKernel(Runner):
         if in_place:
             rows = max(p.capture_sizes)
             self.persistent = GraphInputs(
-                [engine.new_rows(rows, p.torch_dtype) for _ in p.aux_layers],
-                torch.full(
-                    (rows,), PAD_SLOT_ID, dtype=torch.int64, device=engine.device
-                ),
+                [engine.zeros(rows, p.hidden_size) for _ in p.aux_layers],
+                torch.full((rows,), PAD_SLOT_ID, device=engine.device),
             )
         self.graphs.capture(self.persistent, progress=False)
 
@@ -147,69 +136,34 @@ class KernelEngine(Engine):
     name = "kernel"
     MODES = {
         "upstream": Mode(
-            "upstream",
-            "stack into a temporary, copy into a buffer, write_stacked",
-            UpstreamKernel,
+            "stack into a temporary, copy into a buffer, write_stacked", UpstreamKernel
         ),
-        "eager": Mode("eager", "the write op, write_hidden_states", EagerKernel),
+        "eager": Mode("the write op, write_hidden_states", EagerKernel),
         "per_layer": Mode(
-            "per_layer",
             "the write before the op: one scatter per aux layer, write_per_layer",
-            lambda engine: EagerKernel(engine, mode="per_layer", write=write_per_layer),
+            lambda engine: EagerKernel(engine, write=write_per_layer),
         ),
         "graph": Mode(
-            "graph",
             "inputs in persistent buffers (target replayed a FULL graph): "
             "zero-copy replay of the fused write",
-            lambda engine: GraphKernel(engine, "graph", in_place=True),
+            lambda engine: GraphKernel(engine, in_place=True),
         ),
         "graph_copy_in": Mode(
-            "graph_copy_in",
             "fresh inputs (target ran eagerly): copy into static buffers, replay",
-            lambda engine: GraphKernel(engine, "graph_copy_in", in_place=False),
+            lambda engine: GraphKernel(engine, in_place=False),
         ),
     }
 
-    def __init__(self, params: Params, graph_backend: str = "cuda"):
-        super().__init__(params)
-        # "emulated" only for tests that check the graph path's bytes on CPU.
-        self.graph_backend = graph_backend
-        # Enough blocks for every token of the largest step, plus the null block.
-        self.num_blocks = -(-params.max_tokens // params.block_size) + 1
-
-    @property
-    def block_size(self) -> int:
-        return self.params.block_size
+    def zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.params.torch_dtype, device=self.device)
 
     def new_cache(self) -> torch.Tensor:
         p = self.params
-        return torch.zeros(
-            self.num_blocks,
-            p.num_layers,
-            p.block_size,
-            p.hidden_size,
-            dtype=p.torch_dtype,
-            device=self.device,
-        )
-
-    def new_staging(self) -> torch.Tensor:
-        p = self.params
-        return torch.zeros(
-            p.max_tokens,
-            p.num_layers,
-            p.hidden_size,
-            dtype=p.torch_dtype,
-            device=self.device,
-        )
-
-    def new_rows(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(
-            rows, self.params.hidden_size, dtype=dtype, device=self.device
-        )
+        return self.zeros(self.num_blocks(), p.num_layers, p.block_size, p.hidden_size)
 
     def make_inputs(self, num_tokens: int, generator: torch.Generator) -> KernelInputs:
         p = self.params
-        capacity = (self.num_blocks - 1) * p.block_size
+        capacity = (self.num_blocks() - 1) * p.block_size
         slots = torch.randperm(capacity, generator=generator)[:num_tokens]
         num_reqs = min(num_tokens, MAX_NUM_REQS)
         aux = [

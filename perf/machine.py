@@ -126,8 +126,4 @@ def available_memory(device: torch.device) -> int | None:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return psutil.virtual_memory().available
+    return None

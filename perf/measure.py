@@ -64,6 +64,13 @@ class Timings:
     def host_median_us(self) -> float:
         return _percentile(self.host_us, 50)
 
+    def columns(self) -> dict[str, float]:
+        """The report's latency columns (``host_us`` NaN without host samples)."""
+        return {
+            **{f"p{q}_us": self.percentile(q) for q in (50, 90, 99)},
+            "host_us": self.host_median_us,
+        }
+
 
 def _percentile(values: list[float], q: float) -> float:
     if not values:

@@ -135,11 +135,16 @@ class NvmlSampler:
             row = self._rows.get(label)
         if row is None or not row.samples:
             return dict.fromkeys(COLUMNS, math.nan)
+
+        def over(key: str, reduce=lambda v: sum(v) / len(v)) -> float:
+            values = [s[key] for s in row.samples if not math.isnan(s[key])]
+            return reduce(values) if values else math.nan
+
         return {
-            "gpu_util_pct": _mean(row.samples, "gpu_util_pct"),
-            "gpu_mem_used_mib": _max(row.samples, "gpu_mem_used_mib"),
-            "power_w": _mean(row.samples, "power_w"),
-            "sm_clock_mhz": _mean(row.samples, "sm_clock_mhz"),
+            "gpu_util_pct": over("gpu_util_pct"),
+            "gpu_mem_used_mib": over("gpu_mem_used_mib", max),
+            "power_w": over("power_w"),
+            "sm_clock_mhz": over("sm_clock_mhz"),
             "energy_mj_per_step": (
                 row.energy_mj / steps if row.energy_known and steps else math.nan
             ),
@@ -160,19 +165,14 @@ class NvmlSampler:
                 self._rows[label].samples.append(sample)
 
     def _sample(self) -> dict[str, float]:
-        nvml, handle = self._nvml, self._handle
-        return {
-            "gpu_util_pct": self._read(
-                lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu
-            ),
-            "gpu_mem_used_mib": self._read(
-                lambda: nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
-            ),
-            "power_w": self._read(lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1e3),
-            "sm_clock_mhz": self._read(
-                lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)
-            ),
+        nvml, h = self._nvml, self._handle
+        queries = {
+            "gpu_util_pct": lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu,
+            "gpu_mem_used_mib": lambda: nvml.nvmlDeviceGetMemoryInfo(h).used / 2**20,
+            "power_w": lambda: nvml.nvmlDeviceGetPowerUsage(h) / 1e3,
+            "sm_clock_mhz": lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
         }
+        return {column: self._read(query) for column, query in queries.items()}
 
     def _energy_mj(self) -> float | None:
         value = self._read(
@@ -186,16 +186,6 @@ class NvmlSampler:
             return float(query())
         except self._nvml.NVMLError:
             return math.nan
-
-
-def _mean(samples: list[dict[str, float]], key: str) -> float:
-    values = [s[key] for s in samples if not math.isnan(s[key])]
-    return sum(values) / len(values) if values else math.nan
-
-
-def _max(samples: list[dict[str, float]], key: str) -> float:
-    values = [s[key] for s in samples if not math.isnan(s[key])]
-    return max(values) if values else math.nan
 
 
 def nvml_index(cuda_index: int, visible_devices: str | None) -> int:

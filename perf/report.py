@@ -17,114 +17,64 @@ import pandas as pd
 
 KEY = ["engine", "mode", "num_tokens"]
 
-MEASURED = [
-    "engine",
-    "mode",
-    "device",
-    "num_tokens",
-    "padded_tokens",
-    "p50_us",
-    "p90_us",
-    "p99_us",
-    "host_us",
-    "tokens_per_s",
-    "prompts_per_s",
-    "speedup_vs_upstream",
-    "speedup_vs_eager",
-    "slowdown_vs_baseline",
-    "ops_per_step",
-    "replayed_ops_per_step",
-    "launches_per_step",
-    "bytes_per_step",
-    "payload_bytes",
-    "bw_floor_frac",
-    "gpu_util_pct",
-    "gpu_mem_used_mib",
-    "power_w",
-    "sm_clock_mhz",
-    "energy_mj_per_step",
-    "cudagraph_mode",
-    "captured_sizes",
-    "copy_in_replays",
-    "zero_copy_replays",
-    "eager_steps",
-    "bit_exact",
-    "close_to_upstream",
+# The measured columns, in CSV order: (name, how the printed table shows it,
+# the tables that show it: "s" the step engines', "v" the whole engine's).
+# Fixed-point in the table: no 1.78e+04 beside 68.3.
+_F1, _F2, _F0, _FK = "{:.1f}".format, "{:.2f}".format, "{:.0f}".format, "{:,.0f}".format
+_MEASURED = [
+    ("engine", None, "sv"),
+    ("mode", None, "sv"),
+    ("device", None, ""),
+    ("num_tokens", None, "sv"),
+    ("padded_tokens", None, "s"),
+    ("p50_us", _F1, "sv"),
+    ("p90_us", None, ""),
+    ("p99_us", _F1, "s"),
+    ("host_us", None, ""),
+    ("tokens_per_s", _FK, "sv"),
+    ("prompts_per_s", "{:,.1f}".format, "sv"),
+    ("speedup_vs_upstream", _F2, "sv"),
+    ("speedup_vs_eager", _F2, "s"),
+    ("slowdown_vs_baseline", _F2, "sv"),
+    ("ops_per_step", None, "s"),
+    ("replayed_ops_per_step", None, ""),
+    ("launches_per_step", None, ""),
+    ("bytes_per_step", None, "s"),
+    ("payload_bytes", None, ""),
+    ("bw_floor_frac", _F2, "s"),
+    ("gpu_util_pct", None, ""),
+    ("gpu_mem_used_mib", None, ""),
+    ("power_w", None, ""),
+    ("sm_clock_mhz", None, ""),
+    ("energy_mj_per_step", None, ""),
+    ("cudagraph_mode", None, "v"),
+    ("captured_sizes", None, "v"),
+    ("copy_in_replays", _F0, "v"),
+    ("zero_copy_replays", _F0, "v"),
+    ("eager_steps", _F0, "v"),
+    ("bit_exact", str, "sv"),
+    ("close_to_upstream", str, "v"),
 ]
+MEASURED = [name for name, _, _ in _MEASURED]
 # Measured columns that hold words, not figures.
 TEXT = ["cudagraph_mode", "captured_sizes"]
+TABLE = [name for name, _, shown in _MEASURED if "s" in shown]
+VLLM_TABLE = [name for name, _, shown in _MEASURED if "v" in shown]
+TABLE_FORMATS = {name: form for name, form, _ in _MEASURED if form}
 
 # What the engines were built for: the gate refuses to compare runs that differ.
-PARAMETERS = [
-    "hidden_size",
-    "aux_layers",
-    "dtype",
-    "block_size",
-    "capture_sizes",
-    "model",
-    "workload",
-    "prompt_len",
-    "max_tokens",
-    "clients",
-]
+PARAMETERS = ["hidden_size", "aux_layers", "dtype", "block_size", "capture_sizes",
+              "model", "workload", "prompt_len", "max_tokens", "clients"]  # fmt: skip
 
 # Where and how the run was made: the same on every row.
-RUN = [
-    "iters",
-    "warmup",
-    "cpu_threads",
-    "device_name",
-    "driver",
-    "torch_version",
-    "vllm_version",
-    "cg_extract_version",
-    "git_commit",
-    "run_utc",
-    "copy_bw_gbps",
-]
+RUN = ["iters", "warmup", "cpu_threads", "device_name", "driver", "torch_version",
+       "vllm_version", "cg_extract_version", "git_commit", "run_utc",
+       "copy_bw_gbps"]  # fmt: skip
 
 COLUMNS = MEASURED + PARAMETERS + RUN
 
 # Modes whose p50 the other rows of the same size are compared with.
 SPEEDUP_REFERENCES = {"upstream": "speedup_vs_upstream", "eager": "speedup_vs_eager"}
-
-TABLE = [
-    "engine",
-    "mode",
-    "num_tokens",
-    "padded_tokens",
-    "p50_us",
-    "p99_us",
-    "tokens_per_s",
-    "prompts_per_s",
-    "speedup_vs_upstream",
-    "speedup_vs_eager",
-    "slowdown_vs_baseline",
-    "ops_per_step",
-    "bytes_per_step",
-    "bw_floor_frac",
-    "bit_exact",
-]
-
-
-# The whole engine's table: throughput, the users' ratio, what ran.
-VLLM_TABLE = [
-    "engine",
-    "mode",
-    "num_tokens",
-    "p50_us",
-    "tokens_per_s",
-    "prompts_per_s",
-    "slowdown_vs_baseline",
-    "speedup_vs_upstream",
-    "cudagraph_mode",
-    "captured_sizes",
-    "copy_in_replays",
-    "zero_copy_replays",
-    "eager_steps",
-    "bit_exact",
-    "close_to_upstream",
-]
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
@@ -206,17 +156,16 @@ def plot(
         latency.plot(rows["num_tokens"], rows["p50_us"], **style)
         if mode != "upstream" and rows["speedup_vs_upstream"].notna().any():
             speedup.plot(rows["num_tokens"], rows["speedup_vs_upstream"], **style)
-    engines_run = set(frame["engine"])
+    engines = set(frame["engine"])
     # A whole engine's size is prompts per run and its latency a request's.
     xlabel = "prompts per run" if whole_engine(frame) else "tokens per step"
     what = "request" if whole_engine(frame) else "step"
     latency.set(
         xlabel=xlabel, ylabel=f"p50 {what} latency (us)", title=f"{what} latency"
     )
-    engines = set(engines_run)
     reference = "each engine's upstream"
     if len(engines) == 1 and engines <= UPSTREAM.keys():
-        reference = UPSTREAM[engines.pop()]
+        reference = UPSTREAM[next(iter(engines))]
     speedup.set(
         xlabel=xlabel,
         ylabel="p50 upstream / p50 mode (log)",
@@ -239,7 +188,7 @@ def plot(
         ax.legend(fontsize="small")
     if len(frame):
         title = plot_title(frame)
-        if "vllm" in engines_run and frame.iloc[0]["device"] == "cpu":
+        if "vllm" in engines and frame.iloc[0]["device"] == "cpu":
             title += (
                 "\nvLLM's engine on a CPU: timings informative only, not GPU figures"
             )
@@ -305,21 +254,3 @@ def table(frame: pd.DataFrame) -> str:
         "", "(ref)"
     )
     return shown.to_string(index=False)
-
-
-# Fixed-point everywhere in the printed table: no 1.78e+04 beside 68.3.
-TABLE_FORMATS = {
-    "p50_us": "{:.1f}".format,
-    "p99_us": "{:.1f}".format,
-    "tokens_per_s": "{:,.0f}".format,
-    "speedup_vs_upstream": "{:.2f}".format,
-    "speedup_vs_eager": "{:.2f}".format,
-    "prompts_per_s": "{:,.1f}".format,
-    "slowdown_vs_baseline": "{:.2f}".format,
-    "copy_in_replays": "{:.0f}".format,
-    "zero_copy_replays": "{:.0f}".format,
-    "eager_steps": "{:.0f}".format,
-    "bw_floor_frac": "{:.2f}".format,
-    "bit_exact": str,
-    "close_to_upstream": str,
-}

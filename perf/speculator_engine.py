@@ -19,30 +19,31 @@ from typing import Any
 
 import torch
 
-from perf.engines import (
-    VLLM_DTYPES,
-    Engine,
-    Mode,
-    ModeUnavailable,
-    Params,
-    Runner,
-    require_cuda_graphs,
-)
+from perf.engines import VLLM_DTYPES, Engine, Mode, ModeUnavailable, Params, Runner
 
 MAX_NUM_SEQS = 128
 HEAD_DIM = 64  # vllm_on_cpu.harness.write_model_dir's; hidden size must be a multiple
 
 
 class SpeculatorRunner(Runner):
-    def __init__(self, engine: SpeculatorEngine, mode: str, cls: type, **our_keys: Any):
-        from vllm_on_cpu.harness import load_speculator
+    """``cls`` built and loaded; ours (``our_keys``) then get their graphs
+    as the runner sets them up, after ``target_sizes``' FULL graphs of the
+    target, if any, have published their buffers."""
 
-        self.mode = mode
+    def __init__(
+        self, engine: SpeculatorEngine, cls: type, target_sizes=(), **our_keys
+    ):
+        from vllm_on_cpu.harness import attach_target_graph_outputs, load_speculator
+
         cfg = engine.vllm_config(**our_keys)
-        self.loaded = load_speculator(
-            cls, cfg, engine.device, num_blocks=engine.num_blocks(cfg)
-        )
+        blocks = engine.num_blocks()  # every config has the engine's block size
+        self.loaded = load_speculator(cls, cfg, engine.device, num_blocks=blocks)
         self.kv_cache = self.loaded.kv_cache
+        self.target = None
+        if target_sizes:
+            self.target = attach_target_graph_outputs(self.loaded, list(target_sizes))
+        if our_keys:
+            _init_graphs_as_the_runner_does(self)
 
     @property
     def speculator(self):
@@ -55,17 +56,13 @@ class SpeculatorRunner(Runner):
 def upstream_runner(engine: SpeculatorEngine) -> SpeculatorRunner:
     from cg_extract.plugin import upstream_speculator_class
 
-    return SpeculatorRunner(engine, "upstream", upstream_speculator_class())
+    return SpeculatorRunner(engine, upstream_speculator_class())
 
 
 def eager_runner(engine: SpeculatorEngine) -> SpeculatorRunner:
     from cg_extract.speculator import ExtractHiddenStatesSpeculator
 
-    runner = SpeculatorRunner(
-        engine, "eager", ExtractHiddenStatesSpeculator, cudagraph=False
-    )
-    _init_graphs_as_the_runner_does(runner)
-    return runner
+    return SpeculatorRunner(engine, ExtractHiddenStatesSpeculator, cudagraph=False)
 
 
 def per_layer_runner(engine: SpeculatorEngine) -> SpeculatorRunner:
@@ -77,9 +74,7 @@ def per_layer_runner(engine: SpeculatorEngine) -> SpeculatorRunner:
     class PerLayerWrite(ExtractHiddenStatesSpeculator):
         write_cache = staticmethod(write_per_layer)
 
-    runner = SpeculatorRunner(engine, "per_layer", PerLayerWrite, cudagraph=False)
-    _init_graphs_as_the_runner_does(runner)
-    return runner
+    return SpeculatorRunner(engine, PerLayerWrite, cudagraph=False)
 
 
 class GraphRunner(SpeculatorRunner):
@@ -92,26 +87,19 @@ class GraphRunner(SpeculatorRunner):
     copy. Otherwise every step copies its inputs in.
     """
 
-    def __init__(self, engine: SpeculatorEngine, mode: str, in_place: bool):
+    def __init__(self, engine: SpeculatorEngine, in_place: bool):
         from cg_extract.speculator import ExtractHiddenStatesSpeculator
-        from vllm_on_cpu.harness import attach_target_graph_outputs
 
-        require_cuda_graphs(engine, engine.graph_backend)
+        engine.require_cuda_graphs()
+        # in place: a target with FULL graphs at our sizes, all replay with no copy
         super().__init__(
             engine,
-            mode,
             ExtractHiddenStatesSpeculator,
+            engine.params.capture_sizes if in_place else (),
             cudagraph=True,
             cudagraph_backend=engine.graph_backend,
             cudagraph_capture_sizes=list(engine.params.capture_sizes),
         )
-        self.target = None
-        if in_place:
-            # A target with FULL graphs at our sizes: all replay with no copy.
-            self.target = attach_target_graph_outputs(
-                self.loaded, list(engine.params.capture_sizes)
-            )
-        _init_graphs_as_the_runner_does(self)
         if not self.speculator.cudagraph_stats()["captured_sizes"]:
             raise ModeUnavailable("the speculator captured no graphs (see its log)")
 
@@ -144,23 +132,20 @@ def _init_graphs_as_the_runner_does(runner: SpeculatorRunner) -> None:
 class SpeculatorEngine(Engine):
     name = "speculator"
     MODES = {
-        "upstream": Mode("upstream", "vLLM's own eager speculator", upstream_runner),
-        "eager": Mode("eager", "ours, cudagraph false", eager_runner),
+        "upstream": Mode("vLLM's own eager speculator", upstream_runner),
+        "eager": Mode("ours, cudagraph false", eager_runner),
         "per_layer": Mode(
-            "per_layer",
             "ours, cudagraph false, the write before the op (a scatter per layer)",
             per_layer_runner,
         ),
         "graph": Mode(
-            "graph",
             "ours, cudagraph true, inputs in the target's persistent buffers "
             "(zero-copy replay)",
-            lambda engine: GraphRunner(engine, "graph", in_place=True),
+            lambda engine: GraphRunner(engine, in_place=True),
         ),
         "graph_copy_in": Mode(
-            "graph_copy_in",
             "ours, cudagraph true, fresh inputs (copy-in replay)",
-            lambda engine: GraphRunner(engine, "graph_copy_in", in_place=False),
+            lambda engine: GraphRunner(engine, in_place=False),
         ),
     }
 
@@ -168,9 +153,7 @@ class SpeculatorEngine(Engine):
         from cg_extract.plugin import register
         from vllm_on_cpu.harness import write_model_dir
 
-        super().__init__(params)
-        # "emulated" only for tests that check the graph path's bytes on CPU.
-        self.graph_backend = graph_backend
+        super().__init__(params, graph_backend)
         register()  # idempotent; our config keys need the plugin's config hook
         self._tmp = tempfile.TemporaryDirectory(prefix="cg_extract_sweep_")
         self.model_dir = write_model_dir(
@@ -179,11 +162,7 @@ class SpeculatorEngine(Engine):
             num_layers=max(params.aux_layers) + 1,
             dtype=VLLM_DTYPES[params.dtype],
         )
-        self._block_size = self.vllm_config().cache_config.block_size
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
+        self.block_size = self.vllm_config().cache_config.block_size
 
     def vllm_config(self, **our_keys: Any):
         from vllm_on_cpu.harness import build_vllm_config
@@ -198,10 +177,6 @@ class SpeculatorEngine(Engine):
             max_num_seqs=min(MAX_NUM_SEQS, max_tokens),  # vLLM: seqs <= tokens
             **our_keys,
         )
-
-    def num_blocks(self, vllm_config) -> int:
-        block_size = vllm_config.cache_config.block_size
-        return -(-self.params.max_tokens // block_size) + 1
 
     def make_inputs(self, num_tokens: int, generator: torch.Generator):
         from vllm_on_cpu.harness import make_step_inputs

@@ -23,7 +23,6 @@ import math
 import os
 import signal
 import textwrap
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +38,7 @@ from perf.engines import (
     Params,
     Runner,
     caches_equal,
+    engine_modes,
     engine_module,
     estimate_bytes,
 )
@@ -131,14 +131,7 @@ def non_negative_int(text: str) -> int:
 
 
 def all_modes() -> list[str]:
-    names: dict[str, None] = {}
-    for engine in ENGINE_MODULES:
-        names.update(dict.fromkeys(engine_modes(engine)))
-    return list(names)
-
-
-def engine_modes(engine: str) -> list[str]:
-    return list(engine_module(engine).MODES)
+    return list(dict.fromkeys(m for e in ENGINE_MODULES for m in engine_modes(e)))
 
 
 def _epilog() -> str:
@@ -466,21 +459,6 @@ class Settings:
     copy_bw: float  # bytes/s of a large device copy, for the floor
 
 
-Emit = Callable[[list[dict[str, Any]]], None]
-
-
-def measure_engine(
-    engine: Engine,
-    settings: Settings,
-    sampler: NvmlSampler,
-    op_lists: dict[str, list[str]],
-    emit: Emit,
-) -> None:
-    """Emit each size's rows as soon as the size is done."""
-    for num_tokens in settings.sizes:
-        emit(measure_size(engine, num_tokens, settings, sampler, op_lists))
-
-
 def measure_size(
     engine: Engine,
     num_tokens: int,
@@ -529,10 +507,7 @@ def measure_size(
                 "device": engine.device.type,
                 "num_tokens": num_tokens,
                 "padded_tokens": counts[mode].padded_tokens(num_tokens),
-                "p50_us": t.percentile(50),
-                "p90_us": t.percentile(90),
-                "p99_us": t.percentile(99),
-                "host_us": t.host_median_us,
+                **t.columns(),
                 "tokens_per_s": num_tokens / p50_s,
                 "ops_per_step": len(counts[mode].dispatched),
                 "replayed_ops_per_step": len(counts[mode].replayed),
@@ -559,11 +534,6 @@ def bit_exact(engine: Engine, runner: Runner, inputs: Any, received: Any) -> boo
     got = runner.step(received)
     synchronize(engine.device)
     return caches_equal(runner.kv_cache, reference.kv_cache) and torch.equal(got, want)
-
-
-def graph_summaries(engine: Engine) -> dict[str, Any]:
-    summaries = {mode: r.graph_summary() for mode, r in engine.runners.items()}
-    return {mode: s for mode, s in summaries.items() if s is not None}
 
 
 def build_engine(name: str, args: argparse.Namespace) -> Engine:
@@ -664,9 +634,11 @@ def _run(args: argparse.Namespace) -> int:
                 engine_module("vllm").run(args, sampler, emit)
             else:
                 notes["skipped_modes"][name] = engine.skipped
-                notes["graphs"][name] = graph_summaries(engine)
-                if engine.runners:
-                    measure_engine(engine, settings, sampler, notes["op_lists"], emit)
+                notes["graphs"][name] = engine.graph_summaries()
+                for size in settings.sizes if engine.runners else ():
+                    emit(
+                        measure_size(engine, size, settings, sampler, notes["op_lists"])
+                    )
             del engine  # free its caches before the next engine
     except KeyboardInterrupt:
         interrupted = True

@@ -1,43 +1,21 @@
 """The ``vllm`` engine: vLLM's real engine (``AsyncLLM`` on Model Runner V2)
-serving the same prompts in four modes, the users' measure of extraction.
+serving the same prompts in each mode of :data:`MODES`, one engine at a time
+(each shut down before the next starts, so each gets the whole
+``--gpu-memory-utilization``); the references run first. Every mode but
+``baseline`` saves each request's hidden states through a hidden-states
+connector, and ``--clients`` clients read each file back as its request
+finishes (vLLM's ``benchmark_hidden_state_extraction.py``). A size is the
+number of prompts in one run. On a CPU the engine starts as the e2e tests
+start it (:mod:`vllm_on_cpu.engine`); its timings are the CPU's.
 
-* ``baseline``: the target alone, no speculator and no connector;
-* ``upstream``: vLLM's own ``extract_hidden_states`` speculator (the plugin
-  not loaded in the engine's processes);
-* ``eager`` / ``graph``: ours, ``cudagraph`` false / true.
-
-Every mode but ``baseline`` saves each request's hidden states through a
-hidden-states connector (vLLM's ``ExampleHiddenStatesConnector`` on a GPU,
-:mod:`vllm_on_cpu.hidden_states_connector` on a CPU), and ``--clients``
-clients each read their request's file back as it finishes, as vLLM's
-``benchmarks/benchmark_hidden_state_extraction.py`` does. The workload:
-``prefill`` (``max_tokens=1``: data generation) or ``decode`` (``--max-tokens``
-generated per prompt, their hidden states saved too). A size is the number
-of prompts in one run.
-
-On a CPU the engine starts as the e2e tests start it (:mod:`vllm_on_cpu.engine`:
-Triton's interpreter, the stand-in backend, the worker that captures our
-graphs, emulated), with a tiny dummy Llama unless ``--model`` names one.
-Its timings are the CPU's, not a GPU's.
-
-Modes run one engine at a time, each shut down (its engine process gone, its
-memory given back) before the next starts, so each gets the whole
-``--gpu-memory-utilization`` a user would give it; a whole-engine run lasts
-seconds, so the interleaving the step engines use against drift matters less
-than giving each mode the KV cache it would have alone. ``baseline`` and
-``upstream`` run first, so the ratios of each later mode are known when it
-finishes.
-
-Correctness is read from a check run before the timed ones: the first
+Correctness comes from a check run before the timed ones: the first
 :data:`CHECK_PROMPTS` prompts, one request at a time, so every engine runs the
-same batch shapes (GPU kernels are not batch-invariant: cuBLAS and
-flash-attention choose by shape; ``VLLM_BATCH_INVARIANT`` is not needed and
-not set). ``bit_exact``: ``graph``'s saved files and generated tokens equal
-``eager``'s, byte for byte; both are ours and resolve the same target graph
-mode, so only our write differs. ``close_to_upstream``: the prompt tokens'
-hidden states of ``eager`` and ``graph`` within ``torch.testing``'s default
-tolerance for the dtype of ``upstream``'s, which resolves PIECEWISE where
-ours keeps FULL decode graphs (design.md), so its numerics may differ; the
+same batch shapes (GPU kernels are not batch-invariant). ``bit_exact``:
+``graph``'s saved files and tokens equal ``eager``'s byte for byte (both
+ours, the same target graph mode: only our write differs).
+``close_to_upstream``: the prompt tokens' hidden states of ``eager`` and
+``graph`` within ``torch.testing``'s default tolerance of ``upstream``'s,
+which resolves PIECEWISE where ours keeps FULL decode graphs (design.md);
 generated tokens' rows are left out, as one greedy token decided by a
 rounding differs in everything after it.
 """
@@ -64,10 +42,10 @@ from perf.engines import VLLM_DTYPES, Mode
 from perf.measure import Timings
 
 MODES = {
-    "baseline": Mode("baseline", "the target alone: no speculator, no connector", None),
-    "upstream": Mode("upstream", "vLLM's own speculator, saving hidden states", None),
-    "eager": Mode("eager", "ours, cudagraph false, saving hidden states", None),
-    "graph": Mode("graph", "ours, cudagraph true, saving hidden states", None),
+    "baseline": Mode("the target alone: no speculator, no connector"),
+    "upstream": Mode("vLLM's own speculator, saving hidden states"),
+    "eager": Mode("ours, cudagraph false, saving hidden states"),
+    "graph": Mode("ours, cudagraph true, saving hidden states"),
 }
 # Mode -> our keys in the speculative config; absent: vLLM's speculator, the
 # plugin not loaded in the engine's processes.
@@ -124,10 +102,14 @@ def prepare(device: str) -> None:
 
 def engine_kwargs(args: Any, mode: str, storage: Path) -> dict[str, Any]:
     """``AsyncEngineArgs`` keywords of ``mode``."""
+
     from vllm_on_cpu import engine as cpu_engine
     from vllm_on_cpu.engine_probe import EXTENSION
     from vllm_on_cpu.harness import emulated_graph_keys, speculative_config
-    from vllm_on_cpu.hidden_states_connector import kv_transfer_config
+    from vllm_on_cpu.hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+        kv_transfer_config,
+    )
 
     cpu = args.device == "cpu"
     kwargs: dict[str, Any] = {
@@ -165,15 +147,9 @@ def engine_kwargs(args: Any, mode: str, storage: Path) -> dict[str, Any]:
     elif mode == "graph" and args.capture_sizes:
         keys["cudagraph_capture_sizes"] = list(args.capture_sizes)
     kwargs["speculative_config"] = speculative_config(list(args.layers), **keys)
-    kwargs["kv_transfer_config"] = (
-        kv_transfer_config(storage)
-        if cpu
-        else {
-            "kv_connector": "ExampleHiddenStatesConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-        }
-    )
+    # vLLM's own connector on a GPU; on a CPU one that saves there.
+    connector = () if cpu else (ExampleHiddenStatesConnector,)
+    kwargs["kv_transfer_config"] = kv_transfer_config(storage, *connector)
     return kwargs
 
 
@@ -406,10 +382,7 @@ def row_of(args, mode: str, size: int, graph_mode: str, r: SizeResult, sampler):
         "device": args.device,
         "num_tokens": size,
         "padded_tokens": math.nan,
-        "p50_us": r.latency.percentile(50),
-        "p90_us": r.latency.percentile(90),
-        "p99_us": r.latency.percentile(99),
-        "host_us": math.nan,
+        **r.latency.columns(),
         "tokens_per_s": tokens / median_s,
         "prompts_per_s": size / median_s,
         **sampler.summary(("vllm", mode, size), len(r.wall_s) * tokens),

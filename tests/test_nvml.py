@@ -121,6 +121,17 @@ def test_unsupported_counter_is_nan_and_the_rest_still_reported():
     assert summary["power_w"] == 250.0
 
 
+def test_a_rows_readings_are_means_and_its_memory_the_peak():
+    """Over a row's samples, skipping a counter's NaN (one that raised)."""
+    sampler = NvmlSampler(FakeNvml())
+    sampler._rows["row"].samples = [
+        {"gpu_util_pct": 10, "gpu_mem_used_mib": 9, "power_w": 100, "sm_clock_mhz": 1000},
+        {"gpu_util_pct": 30, "gpu_mem_used_mib": 5, "power_w": 300, "sm_clock_mhz": math.nan},
+    ]  # fmt: skip
+    summary = sampler.summary("row", steps=2)
+    assert [summary[c] for c in COLUMNS] == [20, 9, 200, 1000, 0]
+
+
 def assert_all_nan(sampler: NvmlSampler) -> None:
     with sampler.segment("row"):
         pass

@@ -121,17 +121,14 @@ class RecordingRunner(Runner):
 class RecordingEngine(Engine):
     name = "recording"
     MODES = {
-        m: Mode(m, m, lambda engine, m=m: RecordingRunner(engine, m))
+        m: Mode(m, lambda engine, m=m: RecordingRunner(engine, m))
         for m in ("upstream", "eager", "graph")
     }
 
     def __init__(self):
         super().__init__(params(max_tokens=8))
+        self.block_size = 4
         self.log: list[str] = []
-
-    @property
-    def block_size(self) -> int:
-        return 4
 
     def make_inputs(self, num_tokens, generator):
         hidden = torch.randn(num_tokens, 1, 2, generator=generator)
@@ -610,7 +607,7 @@ def test_graph_capture_cost_goes_to_the_meta_json():
     engine = KernelEngine(params(), graph_backend="emulated")
     with graph_steps_kept():
         engine.build(["upstream", "eager", "graph", "graph_copy_in"])
-    summaries = sweep.graph_summaries(engine)
+    summaries = engine.graph_summaries()
     assert set(summaries) == {"graph", "graph_copy_in"}
     graph, copy_in = summaries["graph"], summaries["graph_copy_in"]
     assert set(graph["capture_times_s"]) == {"copy_in", "zero_copy"}

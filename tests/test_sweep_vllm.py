@@ -147,13 +147,59 @@ def test_references_run_first_whatever_the_order_asked(monkeypatch, tmp_path):
 # One engine at a time (the memory defect of issue 23)
 
 
-class EngineStandIn:
-    """A FAKE ``AsyncLLM``: the real one starts engine processes that hold
-    ``gpu_memory_utilization`` of the device until ``shutdown``; vLLM refuses
-    an engine whose share does not fit beside the live ones, and so does this
-    one. Requests "finish" at once with a file saved the way the hidden-state
-    connector saves it (safetensors and a ``.lock``), read back by the sweep
-    with vLLM's own ``load_hidden_states``."""
+class FakeAsyncLLM:
+    """A FAKE ``AsyncLLM``: the real one starts engine processes. Requests
+    "finish" at once with a file saved the way the hidden-state connector
+    saves it (safetensors and a ``.lock``), read back by the sweep with
+    vLLM's own ``load_hidden_states``; a subclass's :meth:`run` says what
+    the file holds and which tokens were generated."""
+
+    graph_mode = "NONE"  # what the runner resolved, as the probe reports it
+
+    def __init__(self, engine_args):
+        spec = engine_args.speculative_config or {}
+        self.graph = spec.get("cudagraph") is True
+        self.upstream = bool(spec) and "cudagraph" not in spec
+        self.storage = (
+            (engine_args.kv_transfer_config or {})
+            .get("kv_connector_extra_config", {})
+            .get("shared_storage_path")
+        )
+
+    @classmethod
+    def from_engine_args(cls, engine_args):
+        return cls(engine_args)
+
+    async def collective_rpc(self, method):
+        return [self.graph_mode] if method == "cudagraph_mode" else [None]
+
+    async def run(self, ids: torch.Tensor, params) -> tuple[torch.Tensor, list[int]]:
+        raise NotImplementedError
+
+    async def generate(self, prompt, params, request_id):
+        from safetensors.torch import save_file
+
+        ids = torch.tensor(prompt["prompt_token_ids"])
+        hidden, generated = await self.run(ids, params)
+        params_out = None
+        if self.storage:
+            path = f"{self.storage}/{request_id}.safetensors"
+            save_file({"hidden_states": hidden, "token_ids": ids}, path)
+            Path(f"{path}.lock").touch()
+            params_out = {"hidden_states_path": path}
+        yield SimpleNamespace(
+            kv_transfer_params=params_out,
+            outputs=[SimpleNamespace(token_ids=generated)],
+        )
+
+    def shutdown(self):
+        pass
+
+
+class EngineStandIn(FakeAsyncLLM):
+    """Holds ``gpu_memory_utilization`` of the device until ``shutdown``, as
+    the real engine's processes do; vLLM refuses an engine whose share does
+    not fit beside the live ones, and so does this one."""
 
     alive: list[EngineStandIn] = []
     most_alive = 0
@@ -167,43 +213,14 @@ class EngineStandIn:
             raise ValueError(
                 f"free memory is less than the desired GPU memory utilization {share}"
             )
+        super().__init__(engine_args)
         self.share = share
-        self.storage = (
-            (engine_args.kv_transfer_config or {})
-            .get("kv_connector_extra_config", {})
-            .get("shared_storage_path")
-        )
-        spec = engine_args.speculative_config or {}
-        self.offset = float(self.graph_files_differ and spec.get("cudagraph") is True)
+        self.offset = float(self.graph_files_differ and self.graph)
         EngineStandIn.alive.append(self)
         EngineStandIn.most_alive = max(EngineStandIn.most_alive, len(self.alive))
 
-    @classmethod
-    def from_engine_args(cls, engine_args):
-        return cls(engine_args)
-
-    async def collective_rpc(self, method):
-        return ["NONE"] if method == "cudagraph_mode" else [None]
-
-    async def generate(self, prompt, params, request_id):
-        from safetensors.torch import save_file
-
-        params_out = None
-        if self.storage:
-            path = f"{self.storage}/{request_id}.safetensors"
-            ids = torch.tensor(prompt["prompt_token_ids"])
-            save_file(
-                {
-                    "hidden_states": ids[:, None, None].float() + self.offset,
-                    "token_ids": ids,
-                },
-                path,
-            )
-            Path(f"{path}.lock").touch()
-            params_out = {"hidden_states_path": path}
-        yield SimpleNamespace(
-            kv_transfer_params=params_out, outputs=[SimpleNamespace(token_ids=[7])]
-        )
+    async def run(self, ids, params):
+        return ids[:, None, None].float() + self.offset, [7]
 
     def shutdown(self):
         EngineStandIn.alive.remove(self)

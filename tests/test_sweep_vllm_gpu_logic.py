@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from perf import machine, sweep, vllm_engine
-from tests.test_sweep_vllm import NoSampler
+from tests.test_sweep_vllm import FakeAsyncLLM, NoSampler
 from vllm_on_cpu.engine import log_tail
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,7 +157,7 @@ def test_a_truncated_file_is_a_clear_error_not_a_crash_in_safetensors(tmp_path):
 # bit_exact and close_to_upstream
 
 
-class BatchSensitiveEngine:
+class BatchSensitiveEngine(FakeAsyncLLM):
     """A FAKE ``AsyncLLM`` whose numerics follow the batch, as a GPU's do
     (cuBLAS and flash-attention choose kernels by shape), and whose batches
     follow its timing: each request's rows are scaled by a rounding that
@@ -167,32 +167,11 @@ class BatchSensitiveEngine:
     decode graphs: its generated tokens' rows differ. ``wrong_slot`` plants
     a wrong-slot write in our graph mode: each row lands one row late."""
 
+    graph_mode = "FULL_AND_PIECEWISE"
     wrong_slot = False
+    in_flight = 0
 
-    def __init__(self, engine_args):
-        spec = engine_args.speculative_config or {}
-        self.graph = spec.get("cudagraph") is True
-        self.upstream = bool(spec) and "cudagraph" not in spec
-        self.storage = (
-            (engine_args.kv_transfer_config or {})
-            .get("kv_connector_extra_config", {})
-            .get("shared_storage_path")
-        )
-        self.in_flight = 0
-
-    @classmethod
-    def from_engine_args(cls, engine_args):
-        return cls(engine_args)
-
-    async def collective_rpc(self, method):
-        return ["FULL_AND_PIECEWISE"] if method == "cudagraph_mode" else [None]
-
-    async def generate(self, prompt, params, request_id):
-        from types import SimpleNamespace
-
-        from safetensors.torch import save_file
-
-        ids = torch.tensor(prompt["prompt_token_ids"])
+    async def run(self, ids, params):
         self.in_flight += 1
         await asyncio.sleep(0.001 * (1 + (ids[0].item() % 3 if self.graph else 0)))
         batch = self.in_flight
@@ -206,16 +185,7 @@ class BatchSensitiveEngine:
             hidden[len(ids) :] += 1e-3  # its decode steps run PIECEWISE
         if self.graph and self.wrong_slot:
             hidden = hidden.roll(1, dims=0)
-        path = f"{self.storage}/{request_id}.safetensors"
-        save_file({"hidden_states": hidden, "token_ids": ids}, path)
-        Path(f"{path}.lock").touch()
-        yield SimpleNamespace(
-            kv_transfer_params={"hidden_states_path": path},
-            outputs=[SimpleNamespace(token_ids=generated)],
-        )
-
-    def shutdown(self):
-        pass
+        return hidden, generated
 
 
 def fake_gpu_args(tmp_path, **overrides):
