@@ -31,7 +31,7 @@ from vllm.inputs import TokensPrompt
 from vllm_on_cpu.engine import (
     ALL_WAYS,
     MAX_NUM_BATCHED_TOKENS,
-    SERIES,
+    TARGET_GRAPH_WAYS,
     EngineRun,
     engine_env,
     engine_kwargs,
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         "--mooncake-master", help="host:port of the Mooncake store's master"
     )
     args = parser.parse_args(argv)
-    if args.way in ("target", SERIES):
+    if args.way in TARGET_GRAPH_WAYS:
         from vllm_on_cpu import target_graphs
 
         target_graphs.enable()  # before the config is built

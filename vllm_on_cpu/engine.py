@@ -58,7 +58,9 @@ WORKER = "vllm_on_cpu.worker.SpeculatorGraphsCPUWorker"
 WAYS = ("vllm", "eager", "graphs")
 # The upstream/ series way: vLLM with upstream/'s patches, the plugin not loaded.
 SERIES = "series"
-ALL_WAYS = (*WAYS, "target", SERIES)
+# The ways whose target captures and replays its own graphs.
+TARGET_GRAPH_WAYS = ("target", SERIES)
+ALL_WAYS = (*WAYS, *TARGET_GRAPH_WAYS)
 # The target way's cudagraph_mode, as an environment variable of its process.
 TARGET_MODE = "VLLM_ON_CPU_CUDAGRAPH_MODE"
 TARGET_MODES = ("FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE")
@@ -123,7 +125,7 @@ def engine_env(way: str, **extra: str) -> dict[str, str]:
     adds to it."""
     if way not in ALL_WAYS:
         raise ValueError(f"way must be one of {ALL_WAYS}, got {way!r}")
-    target = target_env() if way in ("target", SERIES) else {}
+    target = target_env() if way in TARGET_GRAPH_WAYS else {}
     env = {
         **os.environ,
         **cpu_env(),
@@ -154,7 +156,7 @@ def engine_kwargs(
 
     keys = emulated_graph_keys(CAPTURE_SIZES) if way == "graphs" else {}
     graphs = {"enforce_eager": True}  # inductor would need a real Triton driver
-    if way in ("target", SERIES):
+    if way in TARGET_GRAPH_WAYS:
         # No capture sizes, ours or vLLM's: both come from vLLM's resolution.
         # vLLM with the series takes no key of ours.
         keys = (
