@@ -164,12 +164,9 @@ def engine_kwargs(
             if way == SERIES
             else {"cudagraph": True, "cudagraph_backend": target_backend()}
         )
-        mode = os.environ.get(TARGET_MODE, "FULL_AND_PIECEWISE")
-        if mode not in TARGET_MODES:
-            raise ValueError(
-                f"{TARGET_MODE} must be one of {TARGET_MODES}, got {mode!r}"
-            )
-        graphs = target_graphs_kwargs(mode)
+        graphs = target_graphs_kwargs(
+            env_choice(TARGET_MODE, TARGET_MODES, "FULL_AND_PIECEWISE")
+        )
     return {
         "model": str(model_dir),
         "load_format": "dummy",
@@ -193,12 +190,16 @@ def engine_kwargs(
 
 def target_backend() -> str:
     """Our speculator's backend in the target way (:data:`TARGET_BACKEND`)."""
-    backend = os.environ.get(TARGET_BACKEND, "emulated")
-    if backend not in TARGET_BACKENDS:
-        raise ValueError(
-            f"{TARGET_BACKEND} must be one of {TARGET_BACKENDS}, got {backend!r}"
-        )
-    return backend
+    return env_choice(TARGET_BACKEND, TARGET_BACKENDS, "emulated")
+
+
+def env_choice(var: str, choices: tuple[str, ...], default: str) -> str:
+    """The environment variable ``var``, one of ``choices``, else an error
+    that names it and what it accepts."""
+    value = os.environ.get(var, default)
+    if value not in choices:
+        raise ValueError(f"{var} must be one of {choices}, got {value!r}")
+    return value
 
 
 def target_graphs_kwargs(mode: str = "FULL_AND_PIECEWISE") -> dict[str, Any]:
