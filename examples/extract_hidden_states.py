@@ -5,7 +5,7 @@ CUDA-graph write, and read them back.
 
 For a CUDA GPU with vllm==0.33.0 (README, "Status": not yet run on one). On
 a CPU it cannot work: vLLM runs its V1 runner there, without cg_extract, and
-ExampleHiddenStatesConnector needs CUDA (README, "On a CPU").
+ExampleHiddenStatesConnector needs CUDA (README, "Limits", "On a CPU").
 """
 
 import sys

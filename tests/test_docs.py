@@ -1,6 +1,6 @@
 """The README's example is the example file, and that file runs under
 vLLM's spawned engine (the ``__main__`` guard); every relative link in the
-README, docs/ and perf/README.md resolves, to a file and, with ``#anchor``,
+README, docs/, perf/README.md and upstream/README.md resolves, to a file and, with ``#anchor``,
 to one of its headings."""
 
 import ast
@@ -49,7 +49,7 @@ def test_a_module_level_engine_is_seen():
 
 
 MARKDOWN = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-MARKDOWN += [REPO / "perf" / "README.md"]
+MARKDOWN += [REPO / "perf" / "README.md", REPO / "upstream" / "README.md"]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
