@@ -724,17 +724,3 @@ def test_target_graph_outputs_are_published_after_the_targets_capture(monkeypatc
     del manager, published
     assert target_buffers.get("cpu") is None, "only a weak reference is kept"
     target_buffers.clear()
-
-
-def test_server_flags_turn_a_false_boolean_off():
-    """What the e2e servers get for engine keywords (vllm_on_cpu's
-    cli_args): a False boolean is its ``--no-`` flag; ``--enforce-eager
-    False`` would turn enforce_eager on."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    from vllm_on_cpu.engine import cli_args
-
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    for value in (True, False):
-        args = parser.parse_args(cli_args({"model": "m", "enforce_eager": value}))
-        assert args.enforce_eager is value

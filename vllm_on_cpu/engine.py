@@ -221,8 +221,6 @@ def cli_args(kwargs: Mapping[str, Any]) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             args.append(flag)
-        elif value is False:  # "--enforce-eager False" would set it
-            args.append("--no-" + flag[2:])
         elif isinstance(value, dict):
             args += [flag, json.dumps(value)]
         else:
