@@ -28,6 +28,7 @@ the same lifecycle on CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -93,7 +94,10 @@ class SpeculatorGraphs(CudaGraphManager):
                 *self._shape,
                 write=self.write,
                 pool=self.pool,
-                graph_scope=self._vllm_graph_scope,
+                # A function of the config, not a method: the graphs keep
+                # it, and a bound method would tie them to this manager in
+                # a cycle that outlives vLLM dropping it.
+                graph_scope=functools.partial(vllm_graph_scope, self.vllm_config),
             )
             graphs.capture(persistent, zero_copy_sizes, progress=progress)
         self.write_graphs = graphs
@@ -113,13 +117,14 @@ class SpeculatorGraphs(CudaGraphManager):
 
         return graph_capture(self.device)
 
-    @contextlib.contextmanager
-    def _vllm_graph_scope(self, pool: Any) -> Iterator[tuple[Any, Any]]:
-        """One capture as ``CudaGraphManager.capture`` makes it: the pool
-        ``capture_pool`` picks (sleep mode's cuMem pool when it offloads
-        graphs) and vLLM's current stream (``graph_capture``'s)."""
-        from vllm.compilation.cudagraph_pool import capture_pool
-        from vllm.utils.torch_utils import current_stream
 
-        with capture_pool(pool, self.vllm_config) as chosen:
-            yield chosen, current_stream()
+@contextlib.contextmanager
+def vllm_graph_scope(vllm_config: VllmConfig, pool: Any) -> Iterator[tuple[Any, Any]]:
+    """One capture as ``CudaGraphManager.capture`` makes it: the pool
+    ``capture_pool`` picks (sleep mode's cuMem pool when it offloads graphs)
+    and vLLM's current stream (``graph_capture``'s)."""
+    from vllm.compilation.cudagraph_pool import capture_pool
+    from vllm.utils.torch_utils import current_stream
+
+    with capture_pool(pool, vllm_config) as chosen:
+        yield chosen, current_stream()

@@ -69,6 +69,11 @@ class GraphInputs:
         )
 
 
+@dataclass
+class _ReplayInputs:
+    inputs: GraphInputs | None = None
+
+
 class WriteGraphs:
     def __init__(
         self,
@@ -104,7 +109,7 @@ class WriteGraphs:
         # What a replaying step reads: None at capture (the captured views),
         # the caller's tensors at a zero-copy replay. A real replay ignores
         # it; the emulator re-runs the step and checks it is the same memory.
-        self._replay_inputs: GraphInputs | None = None
+        self._replay = _ReplayInputs()
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -209,9 +214,13 @@ class WriteGraphs:
         progress: bool,
         desc: str,
     ) -> None:
+        # The step holds what it reads, not self: the emulator keeps it in
+        # each graph, and a graph holding self back would be a cycle.
+        write, replay = self.write, self._replay
+
         def step(size: int) -> None:
-            x = self._replay_inputs or inputs[size]
-            self.write(x.aux_hidden_states, x.slot_mapping)
+            x = replay.inputs or inputs[size]
+            write(x.aux_hidden_states, x.slot_mapping)
 
         graphs.capture(step, desc, progress=progress)
 
@@ -227,11 +236,11 @@ class WriteGraphs:
         given = GraphInputs(list(aux_hidden_states), slot_mapping)
         n = len(slot_mapping)
         if self._reads_in_place(given):
-            self._replay_inputs = given
+            self._replay.inputs = given
             try:
                 self.zero_copy.replay(n)
             finally:
-                self._replay_inputs = None
+                self._replay.inputs = None
             return "zero_copy"
         if self.copy_in.padded_size(n) != padded:
             self.write(aux_hidden_states, slot_mapping)

@@ -479,6 +479,36 @@ def test_reinit_drops_the_graphs_of_the_earlier_kv_cache(model_dir):
     assert spec.cudagraph_manager is None and spec.graphs is None
 
 
+def test_dropping_the_manager_frees_its_graphs_before_any_collection(model_dir):
+    """vLLM's profiler drops our manager with ``setattr(speculator, name,
+    None)`` (cudagraph_utils.py) and collects garbage only later, after its
+    KV cache is gone: nothing of ours may wait for that collection. With the
+    collector off, the graphs, their static buffers and the manager go at
+    the ``setattr``."""
+    loaded = load_ours(model_dir, num_blocks=4)
+    spec = loaded.speculator
+    spec.init_cudagraph_manager(CUDAGraphMode.FULL)
+    spec.capture()
+    graphs = spec.graphs
+    held = {
+        "manager": spec.cudagraph_manager,
+        "WriteGraphs": graphs,
+        "a copy-in graph": graphs.copy_in._graphs[SIZES[-1]],
+        "static hidden-state buffer": graphs.hidden_states,
+        "static slot buffer": graphs.slot_mapping,
+    }
+    refs = {name: weakref.ref(each) for name, each in held.items()}
+    del graphs, held
+    gc.collect()
+    gc.disable()
+    try:
+        spec.cudagraph_manager = None  # what the profiler's setattr does
+        alive = [name for name, ref in refs.items() if ref() is not None]
+    finally:
+        gc.enable()
+    assert alive == [], f"kept alive until a collection: {alive}"
+
+
 def test_a_second_capture_needs_a_release(model_dir):
     loaded = load_ours(model_dir, num_blocks=4)
     spec = loaded.speculator

