@@ -370,6 +370,8 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
                 f"Expected {self.num_hidden_states} auxiliary hidden states, "
                 f"got {len(aux_hidden_states)}"
             )
+        if any(hidden.dtype is not self.dtype for hidden in aux_hidden_states):
+            aux_hidden_states = self._as_model_dtype(aux_hidden_states)
         num_tokens = aux_hidden_states[0].shape[0]
         slots = slot_mappings[self.layer_name][:num_tokens]
         is_padding = input_batch.is_padding[:num_tokens]
@@ -389,6 +391,17 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             with self._step_context(attn_metadata, slots, is_padding, dp_sync_state):
                 self._run_connector_hooks()
         return draft_tokens
+
+    def _as_model_dtype(
+        self, aux_hidden_states: Sequence[torch.Tensor]
+    ) -> Sequence[torch.Tensor]:
+        """What vLLM's speculator stores for aux hidden states of another
+        dtype: it stacks them (mixed dtypes promote) and copies the stack
+        into its buffer of the model's dtype, so the cache gets the converted
+        values. The write takes the cache's dtype only; every path then
+        writes these (zero-copy cannot apply: they are not the target's
+        buffers)."""
+        return torch.stack(aux_hidden_states, dim=1).to(self.dtype).unbind(1)
 
     def _graph_size(
         self, num_tokens: int, dp_sync_state: DPSyncState | None

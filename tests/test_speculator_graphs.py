@@ -7,6 +7,8 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.dp_utils import DPSyncState
 
@@ -96,6 +98,57 @@ def test_graph_mode_matches_eager_over_thousands_of_steps(configs):
     assert counts(graphed) == (SIZES, expected_replays, expected_eager)
     assert graphed.speculator.cudagraph_stats()["copy_in_replays"] == expected_replays
     assert expected_replays > 1000 and expected_eager > 300
+
+
+@pytest.fixture(scope="module")
+def three_ways(configs):
+    """vLLM's own speculator, ours eager and ours with graphs, one engine dtype."""
+    eager_cfg, graph_cfg = configs
+    return (
+        load_speculator(upstream_speculator_class(), eager_cfg, num_blocks=16),
+        load_speculator(ExtractHiddenStatesSpeculator, eager_cfg, num_blocks=16),
+        graph_speculator(graph_cfg),
+    )
+
+
+AUX_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def test_aux_states_of_other_dtypes_are_stored_as_vllm_converts_them(three_ways):
+    """A model whose layers emit another dtype than the engine's (or several):
+    vLLM's speculator stores the values converted to the model's dtype, and
+    so does ours, eagerly and through the copy-in graphs, byte for byte."""
+    reference, eager, graphed = three_ways
+
+    # The speculators stay out of hypothesis's arguments (it prints those).
+    @settings(max_examples=60, deadline=None)
+    @given(
+        num_tokens=st.integers(1, 80),
+        num_padding=st.integers(0, 2),
+        aux_dtypes=st.lists(st.sampled_from(AUX_DTYPES), min_size=3, max_size=3),
+        seed=st.integers(0, 2**16),
+    )
+    def check(num_tokens, num_padding, aux_dtypes, seed):
+        replays = graphed.speculator.counts["copy_in"]
+        for loaded in three_ways:
+            inputs = make_step_inputs(
+                loaded,
+                num_tokens,
+                torch.Generator().manual_seed(seed),
+                num_padding=num_padding,
+            )
+            aux = inputs.kwargs["aux_hidden_states"]
+            inputs.kwargs["aux_hidden_states"] = [
+                a.to(dtype) for a, dtype in zip(aux, aux_dtypes, strict=True)
+            ]
+            loaded.speculator.propose(**inputs.kwargs)
+        what = f"{num_tokens}+{num_padding} tokens, aux {aux_dtypes}"
+        assert_same_cache(reference, eager, f"eager, {what}")
+        assert_same_cache(reference, graphed, f"graphs, {what}")
+        fits = num_tokens + num_padding <= max(SIZES)
+        assert graphed.speculator.counts["copy_in"] == replays + fits
+
+    check()
 
 
 def test_skipped_copy_in_is_caught(model_dir, monkeypatch):
