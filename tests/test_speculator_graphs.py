@@ -130,18 +130,9 @@ def test_aux_states_of_other_dtypes_are_stored_as_vllm_converts_them(three_ways)
     )
     def check(num_tokens, num_padding, aux_dtypes, seed):
         replays = graphed.speculator.counts["copy_in"]
-        for loaded in three_ways:
-            inputs = make_step_inputs(
-                loaded,
-                num_tokens,
-                torch.Generator().manual_seed(seed),
-                num_padding=num_padding,
-            )
-            aux = inputs.kwargs["aux_hidden_states"]
-            inputs.kwargs["aux_hidden_states"] = [
-                a.to(dtype) for a, dtype in zip(aux, aux_dtypes, strict=True)
-            ]
-            loaded.speculator.propose(**inputs.kwargs)
+        propose_same_step(
+            list(three_ways), num_tokens, seed, num_padding, aux_dtypes=aux_dtypes
+        )
         what = f"{num_tokens}+{num_padding} tokens, aux {aux_dtypes}"
         assert_same_cache(reference, eager, f"eager, {what}")
         assert_same_cache(reference, graphed, f"graphs, {what}")

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import json
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -269,8 +270,13 @@ def make_step_inputs(
     num_reqs: int | None = None,
     num_padding: int = 0,
     target: TargetGraphOutputs | None = None,
+    aux_dtypes: Sequence[torch.dtype] | None = None,
 ) -> StepInputs:
     """Random aux hidden states and unique slots outside the null block.
+
+    ``aux_dtypes``, one per aux layer, are the dtypes the target's layers
+    emit, where a model's differ from the engine's: the same values,
+    converted to them (default: the cache's dtype).
 
     ``num_padding`` extra tokens mimic the target's own graph padding: their
     slot is -1 (vLLM's ``PAD_SLOT_ID``), which the cache-only layer sends to
@@ -299,6 +305,8 @@ def make_step_inputs(
         torch.randn(total, hidden, generator=generator).to(dtype).to(device)
         for _ in range(num_layers)
     ]
+    if aux_dtypes is not None:
+        aux = [a.to(each) for a, each in zip(aux, aux_dtypes, strict=True)]
     buffers = InputBuffers(spec.max_num_reqs, spec.max_num_tokens, device)
     batch = InputBatch.make_dummy(num_reqs, total, buffers, is_padding=False)
     batch.is_padding[num_tokens:] = True
@@ -369,6 +377,7 @@ def propose_same_step(
     num_tokens: int,
     seed: int,
     num_padding: int = 0,
+    aux_dtypes: Sequence[torch.dtype] | None = None,
     **propose_kwargs: Any,
 ) -> list[tuple[torch.Tensor, StepInputs]]:
     """One identical step (same seed, so same values and slots) on each
@@ -380,6 +389,7 @@ def propose_same_step(
             num_tokens,
             torch.Generator().manual_seed(seed),
             num_padding=num_padding,
+            aux_dtypes=aux_dtypes,
         )
         results.append(
             (loaded.speculator.propose(**inputs.kwargs, **propose_kwargs), inputs)
