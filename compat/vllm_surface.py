@@ -4,6 +4,7 @@ imported, so it works on a wheel for a GPU (no CUDA, no vLLM install).
 
     python compat/vllm_surface.py                       # the installed vLLM
     python compat/vllm_surface.py vllm-0.33.0-...whl    # a wheel
+    python compat/vllm_surface.py "$(python compat/vllm_release.py 0.33.0)"  # its sdist
     python compat/vllm_surface.py /path/to/site-packages --out compat/vllm-X.txt
 
 One line per name, sorted: ``module:qualname<TAB>kind<TAB>signature``; a

@@ -1,19 +1,21 @@
 """Apply the patch series in this folder to an installed vLLM, in a scratch copy.
 
-    python upstream/apply_series.py VLLM OUT [--strict]
+    python upstream/apply_series.py VLLM OUT [--strict] [--tests SOURCE_TREE] [--no-patches]
 
-``VLLM`` is a ``vllm`` package folder (``.../site-packages/vllm``) or a vLLM
-wheel. ``OUT`` becomes a vLLM checkout of the series: ``OUT/vllm`` mirrors the
-package (symlinks; the files the series touches are real copies, patched) and
-``OUT/tests`` holds the series' own tests. Put ``OUT`` first on
-``PYTHONPATH`` (or ``cd OUT``) to import the patched vLLM, and run the tests
-from ``OUT``: ``cd OUT && python -m pytest tests/v1/spec_decode``.
+``VLLM`` is a ``vllm`` package folder (``.../site-packages/vllm``, or the
+``vllm/`` of a release's source distribution) or a vLLM wheel. ``OUT``
+becomes a vLLM checkout of the series: ``OUT/vllm`` mirrors the package
+(symlinks; the files the series touches are real copies, patched) and
+``OUT/tests`` holds the series' own tests, laid into vLLM's own ``tests/``
+when ``--tests`` names a vLLM source tree (``compat/vllm_release.py``
+fetches a release's). Put ``OUT`` first on ``PYTHONPATH`` to import the
+patched vLLM, and run the tests from ``OUT`` (upstream/README.md says how).
 
 Patches are applied in order with ``git apply``: full context, hunks may move
 (offsets), never fuzz. ``--strict`` stops there; it is the check that the
 series applies to the vLLM it was made against (0.33.0)::
 
-    python upstream/apply_series.py --strict vllm-0.33.0-*.whl /tmp/series-033
+    python upstream/apply_series.py --strict ~/.cache/cg_extract/vllm-0.33.0/vllm /tmp/series-033
 
 Without ``--strict``, a patch that does not apply with full context is
 applied with two of its three context lines (``git apply -C2``), and the
@@ -74,13 +76,32 @@ def git_apply(patch: Path, out: Path, *options: str) -> subprocess.CompletedProc
     )
 
 
-def apply_series(vllm: Path, out: Path, strict: bool) -> list[str]:
-    """Apply every patch; return what was said about reduced context. Raises
-    RuntimeError naming the patch that does not apply."""
+def checkout(vllm: Path, out: Path, tests_from: Path | None = None) -> None:
+    """``out/vllm`` mirrors ``vllm``. With ``tests_from``, a vLLM source tree
+    (a release's source distribution: ``compat/vllm_release.py``), ``out``
+    gets its ``tests/`` (symlinks) and ``pyproject.toml`` too, so vLLM's own
+    tests run from ``out`` under vLLM's root conftest."""
     if out.exists():
         raise FileExistsError(f"{out} exists; give a new folder")
     out.mkdir(parents=True)
     mirror(vllm.resolve(), out)
+    if tests_from is not None:
+        shutil.copytree(
+            tests_from / "tests",
+            out / "tests",
+            copy_function=os.symlink,
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+        shutil.copyfile(tests_from / "pyproject.toml", out / "pyproject.toml")
+
+
+def apply_series(
+    vllm: Path, out: Path, strict: bool, tests_from: Path | None = None
+) -> list[str]:
+    """:func:`checkout`, then apply every patch; return what was said about
+    reduced context. Raises RuntimeError naming the patch that does not
+    apply."""
+    checkout(vllm, out, tests_from)
     notes = []
     for patch in patches():
         for path in touched(patch):
@@ -107,9 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("vllm", type=Path, help="a vllm package folder or wheel")
     parser.add_argument("out", type=Path)
     parser.add_argument("--strict", action="store_true", help="full context only")
+    parser.add_argument(
+        "--tests",
+        type=Path,
+        metavar="SOURCE_TREE",
+        help="also lay out vLLM's own tests/ from this source tree (an sdist)",
+    )
+    parser.add_argument(
+        "--no-patches",
+        action="store_true",
+        help="the checkout without the series (to compare vLLM's tests with)",
+    )
     args = parser.parse_args(argv)
+    if args.no_patches:
+        checkout(args.vllm, args.out, args.tests)
+        print(f"{args.out}: {args.vllm} without the series")
+        return 0
     try:
-        notes = apply_series(args.vllm, args.out, args.strict)
+        notes = apply_series(args.vllm, args.out, args.strict, args.tests)
     except RuntimeError as why:
         print(why, file=sys.stderr)
         return 1

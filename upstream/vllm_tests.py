@@ -1,0 +1,138 @@
+"""The series' tests and vLLM's existing tests of what it touches, run in
+vLLM's own test tree, under its root conftest (autouse fixtures active).
+
+    python upstream/apply_series.py VLLM OUT --tests SOURCE_TREE
+    python upstream/vllm_tests.py OUT [pytest options...]
+
+``OUT`` is a vLLM checkout: ``apply_series.py --tests`` makes one with the
+series, ``apply_series.py --no-patches --tests`` one without. Run it where
+``OUT``'s vLLM imports (its folder first on ``PYTHONPATH``), with vLLM's test
+extras and ``tblib`` installed. Hub models the selected tests name are given
+as local folders holding their ``config.json`` (vLLM's
+``VLLM_MODEL_REDIRECT_PATH``), so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import apply_series  # noqa: E402
+
+# vLLM's tests of this speculator and its neighbours.
+EXISTING = [
+    # The seed PR's test of the MRv2 speculator 0002 changes.
+    "tests/v1/worker/test_gpu_extract_hidden_states_speculator.py",
+    # The V1 proposer, over the cache-only layer whose builder 0001 changes.
+    "tests/v1/spec_decode/test_extract_hidden_states.py",
+    # Names the method in its lookahead table (skips without an accelerator).
+    "tests/v1/worker/test_gpu_warmup_blocks.py",
+    # The speculative method's config and the V2 runner's choice.
+    "tests/test_config.py",
+]
+KEYWORDS = "extract_hidden_states or v2_model_runner"
+# Folders of tests that import the modules the series touches.
+NEIGHBOURS = ("tests/v1/spec_decode", "tests/v1/worker")
+# The architecture (config.json) of each hub model the selection names.
+OFFLINE_MODELS = {
+    "TinyLlama/TinyLlama-1.1B-Chat-v1.0": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+}
+
+
+def series_tests() -> list[str]:
+    """The test files the patches add."""
+    return sorted(
+        path
+        for patch in apply_series.patches()
+        for path in apply_series.touched(patch)
+        if path.startswith("tests/")
+    )
+
+
+def series_modules() -> set[str]:
+    """The vLLM modules the patches change."""
+    return {
+        path.removesuffix(".py").replace("/", ".")
+        for patch in apply_series.patches()
+        for path in apply_series.touched(patch)
+        if path.startswith("vllm/")
+    }
+
+
+def importers(tree: Path) -> list[str]:
+    """Test files under :data:`NEIGHBOURS` that import a module the series
+    changes (read with ``ast``)."""
+    changed = series_modules()
+    found = []
+    for folder in NEIGHBOURS:
+        for path in sorted((tree / folder).glob("test_*.py")):
+            names = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names.update(alias.name for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names.add(node.module)
+                    names.update(f"{node.module}.{a.name}" for a in node.names)
+            if names & changed:
+                found.append(str(path.relative_to(tree)))
+    return found
+
+
+def selection(tree: Path) -> list[str]:
+    """The test files to run in ``tree`` (the series' own where it has them)."""
+    files = [f for f in series_tests() if (tree / f).is_file()]
+    return files + sorted(set(EXISTING) | set(importers(tree)) - set(files))
+
+
+def run(
+    tree: Path, *pytest_args: str, env: dict[str, str] | None = None, **kwargs: Any
+) -> subprocess.CompletedProcess:
+    """pytest on :func:`selection` from ``tree`` (``kwargs`` to
+    ``subprocess.run``); returns the finished process."""
+    with tempfile.TemporaryDirectory() as models:
+        redirect = {}
+        for name, config in OFFLINE_MODELS.items():
+            folder = Path(models) / name.replace("/", "--")
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps(config))
+            redirect[name] = str(folder)
+        (Path(models) / "redirect.json").write_text(json.dumps(redirect))
+        env = {
+            **(os.environ if env is None else env),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_MODEL_REDIRECT_PATH": str(Path(models) / "redirect.json"),
+        }
+        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+        command += [*selection(tree), "-k", KEYWORDS, *pytest_args]
+        return subprocess.run(command, cwd=tree, env=env, text=True, **kwargs)
+
+
+if __name__ == "__main__":
+    tree, *args = sys.argv[1:] or [""]
+    if not tree:
+        sys.exit("usage: python upstream/vllm_tests.py OUT [pytest options...]")
+    sys.exit(run(Path(tree), *args).returncode)
