@@ -296,12 +296,20 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         elif block_tables is None:
             why = "the runner has not shared its block tables"
         elif len(target.aux_hidden_states) != self.num_hidden_states or any(
-            a.dim() != 2
-            or a.shape[1] != kv_cache.shape[-1]
-            or a.dtype != kv_cache.dtype
+            a.dim() != 2 or a.shape[1] != kv_cache.shape[-1]
             for a in target.aux_hidden_states
         ):
             why = "the target's aux buffers do not match the hidden-state cache"
+        elif other := sorted(
+            {str(a.dtype) for a in target.aux_hidden_states} - {str(kv_cache.dtype)}
+        ):
+            # propose converts such states first, as vLLM's speculator does
+            # (_as_model_dtype): what the write then reads is not these buffers.
+            why = (
+                f"the target's aux hidden states are {', '.join(other)}, the "
+                f"hidden-state cache {kv_cache.dtype}; they are converted and "
+                "copied in"
+            )
         if why is not None:
             logger.info_once("extract_hidden_states: no zero-copy graphs: %s.", why)
             return None, []
@@ -398,9 +406,9 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         """What vLLM's speculator stores for aux hidden states of another
         dtype: it stacks them (mixed dtypes promote) and copies the stack
         into its buffer of the model's dtype, so the cache gets the converted
-        values. The write takes the cache's dtype only; every path then
-        writes these (zero-copy cannot apply: they are not the target's
-        buffers)."""
+        values. The write takes the cache's dtype only (why:
+        :mod:`cg_extract.write_op`); every path then writes these (zero-copy
+        cannot apply: they are not the target's buffers)."""
         return torch.stack(aux_hidden_states, dim=1).to(self.dtype).unbind(1)
 
     def _graph_size(

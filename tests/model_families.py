@@ -118,6 +118,25 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "scoring_func": "softmax",
         "norm_topk_prob": False,
     },
+    # Aux hidden states in another dtype than the engine's: a Llama whose
+    # layers but the last emit their hidden states and residual in their
+    # ``residual_dtypes`` entry (tests/residual_dtype_llama.py); the saved
+    # states are these three layers' sums. bfloat16 states in a float32
+    # engine; float32 ones, with a bfloat16 one between them, in a bfloat16
+    # engine.
+    "llama_bf16_aux": {
+        "architectures": ["ResidualDtypeLlamaForCausalLM"],
+        "model_type": "llama",
+        "intermediate_size": 512,
+        "residual_dtypes": ["bfloat16", "bfloat16", "bfloat16"],
+    },
+    "llama_fp32_aux": {
+        "torch_dtype": "bfloat16",
+        "architectures": ["ResidualDtypeLlamaForCausalLM"],
+        "model_type": "llama",
+        "intermediate_size": 512,
+        "residual_dtypes": ["float32", "bfloat16", "float32"],
+    },
 }
 
 

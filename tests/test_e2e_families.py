@@ -49,6 +49,16 @@ block size and cache view must follow.
   prefill (the recurrent state carried across chunks), prefix hits in mamba's
   "align" cache mode (fewer than the 96 shared tokens hit: the hidden states
   of the rest are recomputed and written).
+* **llama_bf16_aux**, **llama_fp32_aux** (tests/residual_dtype_llama.py):
+  a Llama whose layers emit their residual stream in another dtype than
+  the engine's, so vLLM's own model code hands ``propose`` aux hidden states
+  of that dtype: bfloat16 in a float32 engine; float32, with a bfloat16 one
+  between them, in a bfloat16 engine. vLLM's speculator stores them
+  converted to the engine's dtype (stacked, then copied into its buffer), and
+  every way of ours must save the same bytes: eagerly (prefill steps),
+  through copy-in graphs (decode steps), and under the target's own graphs,
+  whose persistent aux buffers are of the layers' dtype (copy-in, not
+  zero-copy: the speculator converts before the write). Decode only.
 * **deepseek_v2** (MLA: one 576-wide latent row a token, MoE): on the
   reference CPU_MLA backend, asked for on every CPU
   (:data:`tests.model_families.FAMILY_ENGINE_ARGS`: an AMX CPU would pick
@@ -74,6 +84,7 @@ from tests.family_scenarios import (
     TARGET_FAMILY_SCENARIOS,
     family_dtype,
     family_run,
+    family_scenarios,
 )
 from tests.generate_scenarios import PREFIX
 from tests.model_families import FAMILIES, family_config
@@ -113,6 +124,8 @@ GROUPS = {
         (HIDDEN, 1, 40),
     ],
     "deepseek_v2": [("MLAAttentionSpec", 5, 16)],
+    "llama_bf16_aux": [("FullAttentionSpec", 5, 32)],
+    "llama_fp32_aux": [("FullAttentionSpec", 5, 32)],
 }
 CASES = [(f, s) for f, scenarios in FAMILY_SCENARIOS.items() for s in scenarios]
 
@@ -169,7 +182,7 @@ def test_every_family_is_run():
     # Each family's outcome under the target's graphs is checked: its graphs
     # replayed, or the backend that cannot hold them.
     cannot = ["deepseek_v2", "qwen3_next"]
-    assert sorted(TARGET_GRAPHS + cannot) == sorted(FAMILIES)
+    assert sorted(TARGET_GRAPHS + OTHER_DTYPE_AUX + cannot) == sorted(FAMILIES)
     # The target way runs a fresh engine's first scenarios, so its prompts
     # are the other ways'.
     for scenarios in FAMILY_SCENARIOS.values():
@@ -369,3 +382,60 @@ def test_a_family_that_fails_is_reported_as_its_own(tmp_path):
     # A family the process never reached is its own failure too.
     with pytest.raises(pytest.fail.Exception, match="never finished"):
         family_results(got, "deepseek_v2", only)
+
+
+# Families whose layers emit aux hidden states in another dtype than the
+# engine's (tests/residual_dtype_llama.py).
+OTHER_DTYPE_AUX = [f for f, config in FAMILIES.items() if "residual_dtypes" in config]
+
+
+def emitted_aux_dtypes(family: str) -> str:
+    """The dtypes of the aux hidden states ``family``'s model code hands
+    ``propose``, as the probe names them: the layer's ``residual_dtypes``
+    entry where it has one, else the engine's."""
+    config = family_config(family)
+    emits = config.get("residual_dtypes", [])
+    return ",".join(
+        emits[i - 1] if 0 < i <= len(emits) else config["torch_dtype"]
+        for i in AUX_LAYER_IDS
+    )
+
+
+@pytest.mark.parametrize("family", FAMILY_SCENARIOS)
+def test_propose_gets_the_dtypes_the_layers_emit(all_results, family):
+    """What every way's ``propose`` was handed, recorded in the worker
+    (``vllm_on_cpu.engine_probe.aux_dtypes_seen``): the other-dtype families
+    are only proof if the engine delivered their dtypes, to vLLM's class as
+    to ours."""
+    ways = WAYS if family == "qwen3_next" else FAMILY_WAYS  # its capture fails
+    want = emitted_aux_dtypes(family)
+    if family in OTHER_DTYPE_AUX:
+        assert want != ",".join([family_dtype(family)] * len(AUX_LAYER_IDS))
+    for way, results in family_results(all_results, family, ways).items():
+        for scenario in family_scenarios(way, family):
+            before, after = (
+                stats(results[scenario], when)["aux_dtypes"]
+                for when in ("stats_before", "stats_after")
+            )
+            calls = {k: n - before.get(k, 0) for k, n in after.items()}
+            got = {k: n for k, n in calls.items() if n}
+            assert list(got) == [want] and got[want] > 0, (way, scenario, got)
+
+
+@pytest.mark.parametrize("family", OTHER_DTYPE_AUX)
+def test_the_targets_graphs_with_aux_of_another_dtype(all_results, family):
+    """The target replays its graphs, whose persistent aux buffers are of
+    the layers' dtype: ours captures no zero-copy graph over them and copies
+    in (converted, as vLLM's speculator converts), and tokens and files are
+    vLLM's speculator's run eagerly."""
+    results = family_results(all_results, family, ("vllm", "target"))
+    (scenario,) = TARGET_FAMILY_SCENARIOS
+    got = results["target"][scenario]
+    after = stats(got, "stats_after")
+    assert after["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert delta(got, "target_graphs")["replays"] > 0, "the target never replayed"
+    assert after["stats"]["zero_copy_sizes"] == []
+    steps = delta(got, "stats")
+    assert steps["copy_in_replays"] > 0 and steps["zero_copy_replays"] == 0, steps
+    want = results["vllm"][scenario]
+    same_as_vllms(got, want, f"{family}, {scenario}, target graphs against vLLM's")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cg_extract import cache_write, write_op
 from cg_extract.cache_write import write_per_layer, write_stacked
@@ -254,6 +255,33 @@ def test_meta_tensors_check_shapes_only():
     write_hidden_states(meta["aux"], meta["kv_cache"], meta["slot_mapping"])
     with pytest.raises(ValueError, match="2 aux hidden states"):
         write_hidden_states(meta["aux"][:2], meta["kv_cache"], meta["slot_mapping"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=any_write_case(20, 4, 40), data=st.data())
+def test_aux_of_another_dtype_is_refused_before_anything_is_written(case, data):
+    """The op's contract for aux hidden states of mixed dtypes (write_op,
+    "Dtypes"): the first whose dtype is not the cache's is named and nothing
+    is written, called directly or through the dispatcher; the speculator
+    converts them first, as vLLM's does. All of the cache's dtype: written."""
+    dtypes = data.draw(
+        st.lists(
+            st.sampled_from(DTYPES), min_size=len(case.aux), max_size=len(case.aux)
+        )
+    )
+    aux = [a.to(dtype) for a, dtype in zip(case.aux, dtypes, strict=True)]
+    cache = case.fresh_cache()
+    other = [i for i, dtype in enumerate(dtypes) if dtype != cache.dtype]
+    if not other:
+        write_hidden_states(aux, cache, case.slots)
+        assert same_bytes(cache, case.expected())
+        return
+    first = other[0]
+    message = rf"aux hidden state {first} is {dtypes[first]} .*expected {cache.dtype}"
+    for write in (write_hidden_states, write_op.op):
+        with pytest.raises(ValueError, match=message):
+            write(aux, cache, case.slots)
+        assert same_bytes(cache, case.fresh_cache())
 
 
 # --------------------------------------------------------------------------

@@ -172,10 +172,15 @@ def test_zero_copy_sizes_are_the_targets_full_sizes(model_dir):
         assert ours.speculator.cudagraph_stats()[path] == before + 1, (n, in_place)
 
 
-def test_target_buffers_of_another_dtype_fall_back_to_copy_in(model_dir):
-    """A target whose aux buffers are not the cache's dtype (bf16 into an fp32
-    cache) publishes buffers the zero-copy graphs cannot read: the speculator
-    captures copy-in graphs only, and they still write upstream's bytes."""
+def test_target_buffers_of_another_dtype_fall_back_to_copy_in(
+    model_dir, cg_extract_log
+):
+    """A target whose layers emit another dtype than the cache's (bf16 into
+    an fp32 cache) has persistent aux buffers of that dtype (vLLM's
+    ``empty_like`` of the layers' outputs): the speculator captures copy-in
+    graphs only, says why, and steps handed views of those buffers, as after
+    the target's FULL replay, still write upstream's bytes (never reaching
+    the write op's dtype refusal)."""
     reference = load_speculator(
         upstream_speculator_class(), build_vllm_config(model_dir), num_blocks=16
     )
@@ -194,13 +199,34 @@ def test_target_buffers_of_another_dtype_fall_back_to_copy_in(model_dir):
     loaded.speculator.capture()
     stats = loaded.speculator.cudagraph_stats()
     assert stats["zero_copy_sizes"] == [] and stats["captured_sizes"] == SIZES
-    for seed, n in enumerate((16, 3, 64)):
-        ref_in = make_step_inputs(reference, n, torch.Generator().manual_seed(seed))
-        our_in = make_step_inputs(loaded, n, torch.Generator().manual_seed(seed))
+    assert (
+        "extract_hidden_states: no zero-copy graphs: the target's aux hidden "
+        "states are torch.bfloat16, the hidden-state cache torch.float32; they "
+        "are converted and copied in." in cg_extract_log
+    )
+    emitted = [torch.bfloat16] * len(target.aux_hidden_states)
+    # Steps the target replayed (views of its buffers), then one above its
+    # sizes and ours (it ran eagerly: fresh tensors; ours runs eagerly too).
+    for seed, n in enumerate((16, 3, 64, 100)):
+        ref_in = make_step_inputs(
+            reference, n, torch.Generator().manual_seed(seed), aux_dtypes=emitted
+        )
+        replayed = n <= max(SIZES)
+        our_in = make_step_inputs(
+            loaded,
+            n,
+            torch.Generator().manual_seed(seed),
+            target=target if replayed else None,
+            aux_dtypes=emitted,
+        )
+        aux = our_in.kwargs["aux_hidden_states"]
+        in_place = aux[0].data_ptr() == target.aux_hidden_states[0].data_ptr()
+        assert in_place == replayed and aux[0].dtype == torch.bfloat16
         reference.speculator.propose(**ref_in.kwargs)
         loaded.speculator.propose(**our_in.kwargs)
         assert same_cache(reference, loaded)
-    assert loaded.speculator.cudagraph_stats()["copy_in_replays"] == 3
+    stats = loaded.speculator.cudagraph_stats()
+    assert stats["copy_in_replays"] == 3 and stats["eager_steps"] == 1
 
 
 def test_release_graphs_empties_the_graphs_a_caller_still_holds(model_dir):

@@ -19,6 +19,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     )
 
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 
 from cg_extract import cache_write, write_kernel
@@ -158,3 +160,25 @@ def test_offsets_past_int32_land_where_they_belong(axis):
             for layer in range(num_layers):
                 want[slot // block_size, layer, slot % block_size] = aux[layer][row]
     assert torch.equal(cache.contiguous(), want)
+
+
+@triton.jit
+def _store_as(src, dst, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    tl.store(dst + cols, tl.load(src + cols).to(dst.dtype.element_ty))
+
+
+def test_the_interpreter_truncates_what_it_narrows():
+    """Why the op refuses aux hidden states of another dtype instead of
+    converting them in the kernel (cg_extract/write_op.py, "Dtypes"): here a
+    float32 value narrowed to bfloat16 in a kernel is truncated, where torch,
+    as vLLM's ``copy_``, rounds to nearest even, so an in-kernel conversion
+    could not be checked against vLLM's bytes on a CPU. Should this fail,
+    the interpreter rounds as torch does and the choice can be revisited."""
+    values = torch.randn(1024, generator=torch.Generator().manual_seed(0))
+    got = torch.empty(1024, dtype=torch.bfloat16)
+    _store_as[(1,)](values, got, BLOCK=1024)
+    truncated = (values.view(torch.int32) >> 16).to(torch.int16)
+    assert torch.equal(got.view(torch.int16), truncated)
+    rounded = values.to(torch.bfloat16).view(torch.int16)
+    assert (got.view(torch.int16) != rounded).any()

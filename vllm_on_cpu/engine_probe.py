@@ -10,7 +10,10 @@ replays.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
+
+import torch
 
 from vllm_on_cpu import cuda_graph
 
@@ -67,6 +70,7 @@ class EngineProbe:
                 ),
             },
             "vllm_graphs": vllm_graphs(speculator),
+            "aux_dtypes": aux_dtypes_seen(speculator),
             "graph_api": graph_api(speculator, runner),
         }
 
@@ -134,3 +138,35 @@ def counted_replays(manager: Any) -> int:
 
         manager.run_fullgraph = counted
     return manager.replays_counted
+
+
+def aux_dtypes_seen(speculator: Any) -> dict[str, int]:
+    """How many ``propose`` calls got aux hidden states of each list of
+    dtypes (``"bfloat16,bfloat16,bfloat16"``), since this was first asked
+    (it then starts counting them): what the target's model code handed the
+    speculator, whichever class it is."""
+    if "aux_dtypes_seen" not in vars(speculator):
+        seen: dict[tuple[torch.dtype, ...], int] = {}
+        propose = speculator.propose
+        # Where the runner's step passes it (its dummy runs name it), read
+        # from the class: a wrapper (the step log's) takes *args.
+        parameters = list(inspect.signature(type(speculator).propose).parameters)
+        position = parameters.index("aux_hidden_states") - 1  # less self
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            aux = (
+                args[position]
+                if len(args) > position
+                else kwargs.get("aux_hidden_states")
+            )
+            if aux is not None:
+                key = tuple(a.dtype for a in aux)
+                seen[key] = seen.get(key, 0) + 1
+            return propose(*args, **kwargs)
+
+        speculator.aux_dtypes_seen = seen
+        speculator.propose = counted
+    return {
+        ",".join(str(d).removeprefix("torch.") for d in key): n
+        for key, n in speculator.aux_dtypes_seen.items()
+    }

@@ -275,8 +275,8 @@ def make_step_inputs(
     """Random aux hidden states and unique slots outside the null block.
 
     ``aux_dtypes``, one per aux layer, are the dtypes the target's layers
-    emit, where a model's differ from the engine's: the same values,
-    converted to them (default: the cache's dtype).
+    emit, where a model's differ from the engine's (default: the cache's
+    dtype); each state's values use every bit of its own dtype.
 
     ``num_padding`` extra tokens mimic the target's own graph padding: their
     slot is -1 (vLLM's ``PAD_SLOT_ID``), which the cache-only layer sends to
@@ -300,13 +300,12 @@ def make_step_inputs(
     slots = torch.randperm(capacity, generator=generator)[:num_tokens] + block_size
     slot_mapping = torch.full((total,), -1, dtype=torch.int64)
     slot_mapping[:num_tokens] = slots
-    dtype = loaded.kv_cache.dtype
+    # Values with every bit of the dtype each layer emits, so that a
+    # narrowing conversion has something to round.
     aux = [
         torch.randn(total, hidden, generator=generator).to(dtype).to(device)
-        for _ in range(num_layers)
+        for dtype in aux_dtypes or [loaded.kv_cache.dtype] * num_layers
     ]
-    if aux_dtypes is not None:
-        aux = [a.to(each) for a, each in zip(aux, aux_dtypes, strict=True)]
     buffers = InputBuffers(spec.max_num_reqs, spec.max_num_tokens, device)
     batch = InputBatch.make_dummy(num_reqs, total, buffers, is_padding=False)
     batch.is_padding[num_tokens:] = True
