@@ -170,6 +170,9 @@ def check_python(words: list[str], fx: SimpleNamespace) -> None:
     """``python SCRIPT ARGS...``: SCRIPT is in this repository and takes
     ARGS, as its own check of them says."""
     script, *args = words[1:]
+    assert not script.startswith("-"), (
+        f"no check for `{shlex.join(words)}`: add one, or name it in UNCHECKED"
+    )
     assert (REPO / script).is_file(), f"no file {script}"
     checks = [c for pattern, c in SCRIPTS.items() if Path(script).match(pattern)]
     assert checks, f"no check for script {script}: add one to SCRIPTS"
