@@ -24,6 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 EXAMPLE = REPO / "examples" / "extract_hidden_states.py"
+BASH_BLOCK = r"^```bash\n.*?^```"
 
 
 def shell_commands(markdown: str) -> list[list[str]]:
@@ -31,7 +32,8 @@ def shell_commands(markdown: str) -> list[list[str]]:
     them: comments dropped, a line ending in ``\\`` joined to the next, a
     quote left open carried over the line break."""
     commands = []
-    for block in re.findall(r"^```bash\n(.*?)^```", markdown, flags=re.S | re.M):
+    for block in re.findall(BASH_BLOCK, markdown, flags=re.S | re.M):
+        block = block.split("\n", 1)[1].rsplit("```", 1)[0]
         pending = ""
         for line in block.splitlines(keepends=True):
             pending += line
@@ -161,9 +163,10 @@ def check_vllm(words: list[str], fx: SimpleNamespace) -> None:
     assert (config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}) == ours
 
 
-# The interpreters the README names: any Python, and the .venv `make test`
-# builds (the Makefile's VENV).
-INTERPRETERS = ("python", ".venv/bin/python")
+# The interpreters the README names: any Python, and the one in the .venv
+# `make test` builds (the Makefile's VENV).
+MAKEFILE_VENV = re.search(r"^VENV := (\S+)$", (REPO / "Makefile").read_text(), re.M)
+INTERPRETERS = ("python", f"{MAKEFILE_VENV[1]}/bin/python")
 
 
 def check_python(words: list[str], fx: SimpleNamespace) -> None:
@@ -191,12 +194,19 @@ def check_sweep(script: Path, args: list[str], fx: SimpleNamespace) -> None:
     parsed(sweep.parse_args, args)
 
 
+def main_guard(tree: ast.Module) -> ast.If:
+    """The script's one top-level ``if``, which must be its ``__main__`` guard."""
+    (guard,) = [stmt for stmt in tree.body if isinstance(stmt, ast.If)]
+    assert ast.unparse(guard.test) == "__name__ == '__main__'", ast.unparse(guard)
+    return guard
+
+
 def check_example(script: Path, args: list[str], fx: SimpleNamespace) -> None:
     """An example's ``main`` takes the arguments: its ``__main__`` guard
     passes ``sys.argv[1:]`` to ``main`` as they are (read with ``ast``; vLLM
     is not imported). (Running it needs a CUDA GPU.)"""
     tree = ast.parse(script.read_text())
-    (guard,) = [stmt for stmt in tree.body if isinstance(stmt, ast.If)]
+    guard = main_guard(tree)
     assert ast.unparse(guard.body) == "main(*sys.argv[1:])", ast.unparse(guard.body)
     (main,) = [
         f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main"
@@ -247,9 +257,11 @@ def test_the_readme_shows_commands():
 def planted(old: str, new: str) -> list[list[str]]:
     """The README's commands that change when ``old``, in a ```bash block,
     becomes ``new``."""
-    blocks = re.findall(r"^```bash\n.*?^```", README, flags=re.S | re.M)
-    (block,) = [b for b in blocks if old in b]
-    assert block.count(old) == 1, f"{old!r} is in the block more than once"
+    blocks = [b for b in re.findall(BASH_BLOCK, README, flags=re.S | re.M) if old in b]
+    assert len(blocks) == 1 and blocks[0].count(old) == 1, (
+        f"{old!r} is not once in the README's bash blocks: plant another bug"
+    )
+    (block,) = blocks
     readme = README.replace(block, block.replace(old, new))
     return [w for w in shell_commands(readme) if w not in COMMANDS]
 
@@ -269,7 +281,11 @@ def planted(old: str, new: str) -> list[list[str]]:
             '"method": "eagle"',
             "apply only to method",
         ),
-        ('"kv_role": "kv_producer"', '"kv_role": "producer"', "kv_role"),
+        (
+            '"kv_role": "kv_producer"',
+            '"kv_role": "producer"',
+            "--kv-transfer-config: 1 validation error for KVTransferConfig\nkv_role",
+        ),
         ("make test ", "make tests ", "no rule to make 'tests'"),
         ("-e '.[gpu]'", "-e '.[gpus]'", "no extra ['gpus']"),
         ("--workload decode", "--workload decoding", "invalid choice: 'decoding'"),
@@ -322,9 +338,7 @@ def test_the_example_builds_its_engine_only_under_the_main_guard():
     module level there fails with multiprocessing's bootstrapping error."""
     source = EXAMPLE.read_text()
     assert top_level_calls(source) == []
-    tree = ast.parse(source)
-    (guard,) = [stmt for stmt in tree.body if isinstance(stmt, ast.If)]
-    assert ast.unparse(guard.test) == "__name__ == '__main__'"
+    assert main_guard(ast.parse(source))
 
 
 def test_a_module_level_engine_is_seen():
