@@ -50,7 +50,7 @@ def cache_sizes(draw) -> HiddenStateCacheSize:
     )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(size=cache_sizes())
 def test_the_figures_add_up(size):
     """Pages are the states plus their padding, block by block; the tokens
@@ -65,7 +65,7 @@ def test_the_figures_add_up(size):
     assert size.share == size.bytes / size.kv_cache_bytes
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(size=cache_sizes())
 def test_the_summary_prints_the_figures_exactly(size):
     line = size.summary()
@@ -93,7 +93,7 @@ def test_the_summary_prints_the_figures_exactly(size):
     )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(size=cache_sizes())
 def test_warns_exactly_when_padding_more_than_doubles_the_cache(size):
     states = size.bytes - size.padding_bytes
