@@ -80,6 +80,7 @@ def register() -> None:
     _ConfigGate.install(_build_with_our_keys, names_our_keys)
     _install_speculator()
     _publish_target_graph_outputs()
+    _report_cache_size_after_allocation()
 
 
 def _tested() -> str:
@@ -338,6 +339,32 @@ def _publish_target_graph_outputs() -> None:
 
     capture._cg_extract = True  # type: ignore[attr-defined]
     ModelCudaGraphManager.capture = capture
+
+
+def _report_cache_size_after_allocation() -> None:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from cg_extract.speculator import ExtractHiddenStatesSpeculator
+
+    original = GPUModelRunner.initialize_kv_cache
+    if getattr(original, "_cg_extract", False):
+        return
+
+    @functools.wraps(original)
+    def initialize_kv_cache(
+        self: GPUModelRunner,
+        kv_cache_config: Any,
+        is_profiling: bool = False,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        original(self, kv_cache_config, is_profiling, *args, **kwargs)
+        speculator = getattr(self, "speculator", None)
+        if not is_profiling and isinstance(speculator, ExtractHiddenStatesSpeculator):
+            speculator.report_cache_size()
+
+    initialize_kv_cache._cg_extract = True  # type: ignore[attr-defined]
+    GPUModelRunner.initialize_kv_cache = initialize_kv_cache
 
 
 def planned_full_sizes(manager: Any) -> list[int]:

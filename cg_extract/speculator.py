@@ -47,12 +47,14 @@ from vllm.distributed.kv_transfer import has_kv_transfer_group
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.extract_hidden_states import dummy_attention
+from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
 from vllm.v1.worker.gpu.dp_utils import DPSyncState
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from cg_extract import get_logger, target_buffers
 from cg_extract.cache_backend import report_graph_support
+from cg_extract.cache_size import HiddenStateCacheSize, PageSetter
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.config import ExtractGraphConfig, given_keys
 from cg_extract.vllm_graphs import SpeculatorGraphs
@@ -102,6 +104,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         # them. Nothing is allocated until capture().
         self.cudagraph_manager: SpeculatorGraphs | None = None
         self.counts = {"zero_copy": 0, "copy_in": 0, "eager": 0}
+        self._cache_size_reported = False
 
     @property
     def graphs(self) -> WriteGraphs | None:
@@ -187,6 +190,71 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         )
 
     # ------------------------------------------------------------------
+    # The hidden-state cache's size
+
+    def report_cache_size(self) -> None:
+        """Log the hidden-state cache's size, once per engine, on its first
+        rank. The plugin calls this when the runner's real KV cache has been
+        allocated (not the memory profiler's)."""
+        if self._cache_size_reported or not _first_rank(self.vllm_config):
+            return
+        self._cache_size_reported = True
+        try:
+            size = self.cache_size(self.kv_cache_config)
+        except ValueError as why:
+            # A report must never stop an engine that vLLM could start.
+            logger.warning("extract_hidden_states: cache size not reported: %s", why)
+            return
+        logger.info(size.summary())
+        if size.padding_more_than_doubles:
+            logger.warning(size.padding_warning())
+
+    def cache_size(self, kv_cache_config: KVCacheConfig) -> HiddenStateCacheSize:
+        """The hidden-state layer's pages, block size and pool, read from
+        ``kv_cache_config`` as vLLM laid it out; what a page must hold, from
+        what this speculator writes."""
+        name = self.layer_name
+        groups = kv_cache_config.kv_cache_groups
+        tensors = kv_cache_config.kv_cache_tensors
+        held = [(i, g) for i, g in enumerate(groups) if name in g.layer_names]
+        placed = [t for t in tensors if name in t.layers]
+        if len(held) != 1 or len(placed) != 1:
+            raise ValueError(
+                f"the hidden-state layer {name} is in {len(held)} KV-cache "
+                f"groups and {len(placed)} KV-cache tensors, not one of each"
+            )
+        ((index, group),), (tensor,) = held, placed
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[name]
+        num_blocks = kv_cache_config.num_blocks_of(tensor)
+        if tensor.size % num_blocks:
+            raise ValueError(
+                f"the KV cache pool of {tensor.size} bytes is not {num_blocks} "
+                "equal blocks"
+            )
+        # Groups overlay one allocation per pool (device, HiSparse's host).
+        pools = {t.host_resident: t.size for t in tensors}
+        others = [(i, g) for i, g in enumerate(groups) if i != index]
+        own_group = group.layer_names == [name]
+        return HiddenStateCacheSize(
+            num_aux_layers=self.num_hidden_states,
+            hidden_size=self.vllm_config.model_config.get_hidden_size(),
+            dtype_bytes=self.dtype.itemsize,
+            block_size=spec.block_size,
+            page_bytes=spec.page_size_bytes,
+            num_blocks=num_blocks,
+            pool_block_bytes=tensor.size // num_blocks,
+            kv_cache_bytes=sum(pools.values()),
+            own_group=own_group,
+            num_groups=len(groups),
+            other_block_sizes=tuple(
+                sorted({g.kv_cache_spec.block_size for _, g in others})
+            ),
+            page_setter=_page_setter(spec, others) if own_group else None,
+        )
+
+    # ------------------------------------------------------------------
     # CUDA graphs
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
@@ -260,9 +328,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         manager = self.cudagraph_manager
         if manager is None:
             return
-        from vllm.distributed.parallel_state import is_global_first_rank
-
-        first_rank = is_global_first_rank()
+        first_rank = _first_rank(self.vllm_config)
         persistent, zero_copy_sizes = self._persistent_inputs()
         graphs = manager.capture(persistent, zero_copy_sizes, progress=first_rank)
         if first_rank:
@@ -426,3 +492,38 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         del dp_sync_state
         graphs = self.graphs
         return graphs.padded_size(num_tokens) if graphs is not None else None
+
+
+def _first_rank(vllm_config: VllmConfig) -> bool:
+    """DP rank 0's TP (and PP) rank 0. The world's first rank is not enough:
+    vLLM runs a dense model's DP ranks as independent engines, each its own
+    world of DP rank 0 (``reconfigure_for_independent_dp_rank``); only
+    ``data_parallel_index`` keeps the rank it was given."""
+    from vllm.distributed.parallel_state import is_global_first_rank
+
+    return (
+        vllm_config.parallel_config.data_parallel_index == 0 and is_global_first_rank()
+    )
+
+
+def _page_setter(spec: Any, others: list[tuple[int, Any]]) -> PageSetter | None:
+    """The group whose own page the hidden-state layer's padded page is: of
+    the other groups with that page, the one whose unpadded page is largest.
+    None when vLLM did not pad the page to another group's."""
+    if getattr(spec, "page_size_padded", None) is None:
+        return None
+    page = spec.page_size_bytes
+    candidates = [
+        PageSetter(
+            index=i,
+            spec=type(g.kv_cache_spec).__name__,
+            num_layers=len(g.layer_names),
+            block_size=g.kv_cache_spec.block_size,
+            page_bytes=getattr(
+                g.kv_cache_spec, "real_page_size_bytes", g.kv_cache_spec.page_size_bytes
+            ),
+        )
+        for i, g in others
+        if g.kv_cache_spec.page_size_bytes == page
+    ]
+    return max(candidates, key=lambda s: s.page_bytes, default=None)

@@ -34,6 +34,7 @@ PATCHED = [
     ("vllm.v1.worker.gpu.cudagraph_utils", "ModelCudaGraphManager._capture_descs"),
     ("vllm.engine.arg_utils", "EngineArgs.create_engine_config"),
     ("vllm.v1.worker.gpu.cudagraph_utils", "ModelCudaGraphManager.capture"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.initialize_kv_cache"),
     (
         "vllm.v1.worker.gpu.spec_decode.extract_hidden_states",
         "ExtractHiddenStatesSpeculator",

@@ -4,6 +4,7 @@ engine cannot run, an engine failure as a test failure, saved files compared."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,3 +70,15 @@ def assert_runs_its_speculator(way: str, after: Mapping, what: str) -> None:
         assert after["draft_cg_support"] == "ALWAYS", what
         captured = CAPTURE_SIZES if way == "graphs" else []
         assert after["stats"]["captured_sizes"] == captured, what
+
+
+# The line our speculator logs once an engine's KV cache exists
+# (ExtractHiddenStatesSpeculator.report_cache_size).
+CACHE_SIZE_LINE = "extract_hidden_states: hidden-state cache"
+
+
+def cache_size_lines(log: Path) -> list[str]:
+    """The hidden-state cache size lines in an engine's log, every process
+    of the engine (workers, DP engine cores) writing to it."""
+    text = log.read_text(errors="replace")
+    return [line for line in text.splitlines() if CACHE_SIZE_LINE in line]

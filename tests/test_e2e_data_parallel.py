@@ -20,11 +20,17 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import asyncio
 import json
+import re
 
 from tests.generate_scenarios import CLIENT_WAVES as WAVES
 from tests.generate_scenarios import scenario_run
 from tests.openai_server import serve
-from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
+from tests.real_engine import (
+    assert_same_saves,
+    cache_size_lines,
+    require_cpu_engine,
+    run_engines,
+)
 from tests.users_client import fetch_all
 from vllm_on_cpu.engine import CAPTURE_SIZES, engine_env, engine_kwargs, load_saved
 
@@ -132,3 +138,16 @@ def test_every_file_is_the_single_ranks(served, wave):
         assert_same_saves(
             saved, load_saved(want["path"]), f"{wave} {i} ({len(prompts[i])} tokens)"
         )
+
+
+def test_dp_rank_0_alone_logs_the_hidden_state_cache_size(served, tmp_path_factory):
+    """Both ranks' workers write to the server's log; vLLM runs this dense
+    model's ranks as independent engines (each a world of one, "DP rank 0"
+    in its own eyes), yet only one logs the hidden-state cache's size. (The
+    rank that must not is test_cache_size_vllm.py's: ``data_parallel_index``
+    1.)"""
+    (log,) = tmp_path_factory.getbasetemp().glob("e2e_dp[0-9]*/server.log")
+    text = log.read_text(errors="replace")
+    workers = set(re.findall(r"^\(Worker pid=(\d+)\)", text, flags=re.MULTILINE))
+    assert len(workers) == 2, f"not both ranks' workers in the log: {workers}"
+    assert len(cache_size_lines(log)) == 1

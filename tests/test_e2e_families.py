@@ -71,6 +71,7 @@ block size and cache view must follow.
 """
 
 import json
+import re
 
 import pytest
 
@@ -79,6 +80,7 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 import torch
 
 from tests.family_scenarios import (
+    FAMILY_ENGINE,
     FAMILY_SCENARIOS,
     FAMILY_WAYS,
     TARGET_FAMILY_SCENARIOS,
@@ -89,13 +91,16 @@ from tests.family_scenarios import (
 from tests.generate_scenarios import PREFIX
 from tests.model_families import FAMILIES, family_config
 from tests.real_engine import (
+    CACHE_SIZE_LINE,
     assert_runs_its_speculator,
     assert_same_request,
     require_cpu_engine,
 )
+from tests.test_cache_size import SUMMARY
 from vllm_on_cpu.engine import (
     AUX_LAYER_IDS,
     MAX_NUM_BATCHED_TOKENS,
+    NUM_BLOCKS,
     WAYS,
     EngineFailed,
     load_saved,
@@ -131,12 +136,18 @@ CASES = [(f, s) for f, scenarios in FAMILY_SCENARIOS.items() for s in scenarios]
 
 
 @pytest.fixture(scope="module")
-def all_results(tmp_path_factory):
+def families_workdir(tmp_path_factory):
+    """Where the ways run: their JSON, files and logs (``<way>.log``)."""
+    return tmp_path_factory.mktemp("e2e_families")
+
+
+@pytest.fixture(scope="module")
+def all_results(families_workdir):
     """Each way's results, per family, per scenario (and the family's
     ``kv_cache_groups``), or per family its engine's error; a process that
     died or hung, for the families it did not reach."""
     require_cpu_engine()
-    workdir = tmp_path_factory.mktemp("e2e_families")
+    workdir = families_workdir
     families = list(FAMILY_SCENARIOS)
     runs = {way: family_run(way, families, workdir) for way in FAMILY_WAYS}
     try:
@@ -439,3 +450,105 @@ def test_the_targets_graphs_with_aux_of_another_dtype(all_results, family):
     assert steps["copy_in_replays"] > 0 and steps["zero_copy_replays"] == 0, steps
     want = results["vllm"][scenario]
     same_as_vllms(got, want, f"{family}, {scenario}, target graphs against vLLM's")
+
+
+# The hidden-state cache's size line (ExtractHiddenStatesSpeculator.
+# report_cache_size), in each way's log: every family's engine, one after
+# another, each starting with vLLM's engine core naming its model folder.
+ENGINE_START = re.compile(r"Initializing a V1 LLM engine .*? model='[^']*/(\w+)/model'")
+PADDING_WARNING = "page padding more than doubles"
+
+
+def cache_size_lines(log) -> dict[str, list[str]]:
+    """Each family's size lines, by the engine that logged them."""
+    lines: dict[str, list[str]] = {}
+    family = None
+    for line in log.read_text(errors="replace").splitlines():
+        if started := ENGINE_START.search(line):
+            family = started[1]
+            assert family not in lines, f"{family}'s engine started twice"
+            lines[family] = []
+        elif CACHE_SIZE_LINE in line:
+            assert family is not None, f"a size line before any engine: {line}"
+            lines[family].append(line)
+    return lines
+
+
+def kv_page(config: dict, dtype_bytes: int, block_size: int) -> int:
+    """One target attention layer's page: K and V of each KV head, or MLA's
+    one latent row (kv_lora_rank + qk_rope_head_dim) a token."""
+    if "kv_lora_rank" in config:
+        row = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    else:
+        row = 2 * config["num_key_value_heads"] * config["head_dim"]
+    return row * dtype_bytes * block_size
+
+
+def expected_cache_size(family: str, groups: list[dict]) -> dict[str, int | str]:
+    """The line's figures from the family's config and the engine arguments
+    the suite gives it (hidden size, aux layers, dtype, blocks), with the
+    block sizes vLLM picked as its engine reported them."""
+    config = family_config(family)
+    dtype_bytes = getattr(torch, family_dtype(family)).itemsize
+    blocks = FAMILY_ENGINE.get(family, {}).get("num_gpu_blocks_override", NUM_BLOCKS)
+    hidden = [g for g in groups if g["spec"] == HIDDEN]
+    block = (hidden or groups)[0]["block_size"]
+    states = len(AUX_LAYER_IDS) * config["hidden_size"] * dtype_bytes * block
+    (attention_block,) = {
+        g["block_size"] for g in groups if g["spec"] in ATTENTION_SPECS
+    }
+    target_page = kv_page(config, dtype_bytes, attention_block)
+    # The scheduler reports a group by one layer's spec: the attention page.
+    assert all(g["page_size_bytes"] == target_page for g in groups), groups
+    if hidden:
+        # A group of its own: its page padded to the page every group has,
+        # in a pool whose blocks are as wide as the widest group.
+        page = target_page
+        pool_block = max(g["layers"] for g in groups) * page
+    else:
+        # In the target's one group: every block has each layer's page.
+        page = states
+        pool_block = config["num_hidden_layers"] * target_page + states
+    return {
+        "bytes": page * blocks,
+        "share": f"{100 * page / pool_block:.1f}",
+        "kv_cache": pool_block * blocks,
+        "tokens": block * blocks,
+        "blocks": blocks,
+        "block_size": block,
+        "padding": (page - states) * blocks,
+        "page": page,
+        "states": states,
+    }
+
+
+ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+@pytest.mark.parametrize("family", FAMILY_SCENARIOS)
+def test_each_engine_logs_its_hidden_state_cache_size_once(
+    all_results, families_workdir, family
+):
+    """Every engine of ours logs the line once, with the figures computed
+    here; vLLM's own speculator's engines (the plugin not loaded) none. An
+    engine that failed (Qwen3-Next's target graphs) logs it at most once,
+    then only if its KV cache was allocated."""
+    groups = family_results(all_results, family, ("vllm",))["vllm"]["kv_cache_groups"]
+    want = expected_cache_size(family, groups)
+    for way in FAMILY_WAYS:
+        log = families_workdir / f"{way}.log"
+        lines = cache_size_lines(log)[family]
+        failed = "error" in all_results[way][family]
+        if way == "vllm":
+            assert lines == [], lines
+            continue
+        assert len(lines) <= 1 if failed else len(lines) == 1, (way, lines)
+        for line in lines:
+            got = SUMMARY.search(line)
+            assert got, line
+            figures = {
+                k: v if k == "share" else int(v) for k, v in got.groupdict().items()
+            }
+            assert figures == want, (way, line)
+        # No family pads its hidden-state pages to more than double.
+        assert PADDING_WARNING not in log.read_text(errors="replace"), way

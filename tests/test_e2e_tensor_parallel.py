@@ -28,7 +28,12 @@ import shutil
 import torch
 
 from tests.generate_scenarios import scenario_run
-from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
+from tests.real_engine import (
+    assert_same_saves,
+    cache_size_lines,
+    require_cpu_engine,
+    run_engines,
+)
 from tests.write_cases import same_bytes
 from vllm_on_cpu.engine import (
     AUX_LAYER_IDS,
@@ -97,6 +102,16 @@ def test_each_rank_caches_the_same_hidden_states(runs):
         assert len(ranks) == 2
         assert ranks[0]["stats"] == ranks[1]["stats"]
         assert ranks[0]["stats"]["copy_in_replays"] > 0
+
+
+def test_rank0_alone_logs_the_hidden_state_cache_size(runs):
+    """Both ranks' workers write to the engine's log; only rank 0's logs the
+    hidden-state cache's size (every rank holds the same cache)."""
+    _, caches_path = runs
+    log = caches_path.parent / "tp2_graphs.log"
+    assert "Worker_TP1" in log.read_text(errors="replace"), "rank 1 never logged"
+    (line,) = cache_size_lines(log)
+    assert "Worker_TP0" in line, line
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

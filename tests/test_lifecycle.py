@@ -27,15 +27,6 @@ from vllm.config import set_current_vllm_config
 from vllm.config.compilation import CUDAGraphMode
 from vllm.distributed.elastic_ep.elastic_execute import ElasticEPScalingExecutor
 from vllm.platforms import current_platform
-from vllm.v1.attention.backends.utils import (
-    get_supported_kv_cache_layouts,
-    record_kv_cache_layout,
-    resolve_kv_cache_layout,
-)
-from vllm.v1.core.kv_cache_utils import (
-    get_kv_cache_config_from_groups,
-    get_kv_cache_groups,
-)
 from vllm.v1.worker.gpu.cudagraph_utils import (
     CudaGraphManager,
     ModelCudaGraphManager,
@@ -53,9 +44,11 @@ from vllm_on_cpu.harness import (
     _SlotMappingsOnly,
     build_vllm_config,
     emulated_graph_keys,
+    kv_cache_config_of,
     load_speculator,
     make_step_inputs,
     propose_same_step,
+    resolve_layout,
     single_process_parallel_state,
 )
 
@@ -252,14 +245,9 @@ class StandInRunner:
 
     def real_kv_cache_config(self):
         """As the engine core sizes the KV cache (here: NUM_BLOCKS blocks)."""
-        groups = get_kv_cache_groups(self.vllm_config, self.get_kv_cache_spec())
-        self.cache_config.num_gpu_blocks_override = NUM_BLOCKS
-        try:
-            return get_kv_cache_config_from_groups(
-                self.vllm_config, groups, available_memory=0
-            )
-        finally:
-            self.cache_config.num_gpu_blocks_override = None
+        return kv_cache_config_of(
+            self.vllm_config, self.get_kv_cache_spec(), NUM_BLOCKS
+        )
 
     def target_outputs(self) -> TargetGraphOutputs:
         return TargetGraphOutputs(
@@ -268,15 +256,6 @@ class StandInRunner:
             self.block_tables.slot_mappings,
             self.input_buffers,
         )
-
-
-def resolve_layout(cfg, runner):
-    """The engine core's step before memory profiling (v1/engine/core.py)."""
-    specs = runner.get_kv_cache_spec().values()
-    names = [layout.name for layout in get_supported_kv_cache_layouts([])]
-    record_kv_cache_layout(
-        cfg.cache_config, resolve_kv_cache_layout(cfg, [names], specs).name
-    )
 
 
 def same_cache(reference, ours):
@@ -334,7 +313,7 @@ def test_profiling_teardown_real_init_steps_elastic_release_recapture_steps(
     cfg, spec = ours.vllm_config, ours.speculator
     target_compilation(cfg, CUDAGraphMode.FULL_DECODE_ONLY)
     runner = StandInRunner(ours, CUDAGraphMode.FULL_DECODE_ONLY)
-    resolve_layout(cfg, runner)
+    resolve_layout(cfg, runner.get_kv_cache_spec())
     with set_current_vllm_config(cfg):
         # 1. Memory profiling (gpu_worker.determine_available_memory), vLLM's
         # own function: minimal KV cache, capture_model, teardown.
@@ -548,7 +527,7 @@ def test_zero_copy_sizes_are_the_targets_planned_full_sizes(
     cfg, spec = loaded.vllm_config, loaded.speculator
     target_compilation(cfg, mode, max_num_seqs)
     runner = StandInRunner(loaded, mode)
-    resolve_layout(cfg, runner)
+    resolve_layout(cfg, runner.get_kv_cache_spec())
     with set_current_vllm_config(cfg):
         runner.initialize_kv_cache(runner.real_kv_cache_config())
         target = runner.cudagraph_manager

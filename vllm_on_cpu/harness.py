@@ -160,6 +160,40 @@ def load_speculator(
     return LoadedSpeculator(speculator, vllm_config, layer.kv_cache, layer_name)
 
 
+def resolve_layout(vllm_config, specs: dict[str, Any]) -> None:
+    """The engine core's step before memory profiling (``v1/engine/core.py``):
+    one KV-cache layout for ``specs`` (each layer's ``KVCacheSpec``), from the
+    layouts the backends support, recorded in the config."""
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        record_kv_cache_layout,
+        resolve_kv_cache_layout,
+    )
+
+    names = [layout.name for layout in get_supported_kv_cache_layouts([])]
+    layout = resolve_kv_cache_layout(vllm_config, [names], specs.values())
+    record_kv_cache_layout(vllm_config.cache_config, layout.name)
+
+
+def kv_cache_config_of(vllm_config, specs: dict[str, Any], num_blocks: int):
+    """The ``KVCacheConfig`` the engine core hands workers for ``specs``:
+    vLLM's groups (``get_kv_cache_groups``) in ``num_blocks`` blocks
+    (``get_kv_cache_config_from_groups``). Resolves the layout first."""
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+
+    resolve_layout(vllm_config, specs)
+    groups = get_kv_cache_groups(vllm_config, specs)
+    cache_config = vllm_config.cache_config
+    cache_config.num_gpu_blocks_override = num_blocks
+    try:
+        return get_kv_cache_config_from_groups(vllm_config, groups, available_memory=0)
+    finally:
+        cache_config.num_gpu_blocks_override = None
+
+
 def single_process_parallel_state() -> None:
     """A world of one, as every worker has: vLLM's ``CudaGraphManager`` (the
     base of our graphs' lifecycle shell) asks for the pipeline group, and
