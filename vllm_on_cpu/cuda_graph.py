@@ -100,6 +100,7 @@ class GraphCounts:
     replays: int = 0
     ops_replayed: int = 0
     launches_replayed: int = 0
+    collectives_replayed: int = 0
 
 
 counts = GraphCounts()
@@ -186,6 +187,24 @@ class _Op:
 
 
 @dataclass
+class _Collective:
+    """One ``torch.distributed`` collective (a ``c10d`` op on the process
+    group captured with it): a replay runs it again and waits for it, as a
+    CUDA graph replays the NCCL kernels it captured. Every rank must replay
+    the same graphs in the same order, as on a GPU."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def run(self) -> None:
+        for result in tree_flatten(self.func(*self.args, **self.kwargs))[0]:
+            if hasattr(result, "wait"):  # the op's Work handle
+                result.wait()
+        counts.collectives_replayed += 1
+
+
+@dataclass
 class _Launch:
     """One Triton kernel run by the interpreter: the grid executor and the
     capture-time arguments (tensors and the scalars baked in)."""
@@ -215,6 +234,10 @@ class _Recorder(TorchDispatchMode):
                 f"{name} synchronises with the host or sizes its output from "
                 "device data; a CUDA graph cannot capture it"
             )
+        if name.startswith("c10d::"):
+            out = func(*args, **kwargs)
+            steps.append(_Collective(func, args, kwargs))
+            return out
         if name not in KERNELS and _has_python_body(func):
             # Its body reads Python state (vLLM's forward context) a replay
             # does not set: record what it dispatches instead.
@@ -347,6 +370,22 @@ def _recording_launch(launch: Callable[..., Any]) -> Callable[..., Any]:
 
     recorded.__wrapped__ = launch
     return recorded
+
+
+def host_work(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run unrecorded during a capture: for code that works on host
+    tensors on a GPU machine (vLLM's ``device="cpu"`` tensors), whose reads
+    a CUDA graph neither holds nor refuses. Here every tensor is on the CPU,
+    so the fake cannot tell them from device tensors and must be told."""
+
+    def unrecorded(*args: Any, **kwargs: Any) -> Any:
+        if _steps() is None:
+            return fn(*args, **kwargs)
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    unrecorded.__wrapped__ = fn
+    return unrecorded
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:

