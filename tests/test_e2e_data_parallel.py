@@ -318,9 +318,10 @@ def test_the_ranks_step_in_lockstep_and_replay_the_agreed_size(moe_ranks):
 @pytest.mark.parametrize("scenario", MOE_SCENARIOS)
 def test_the_series_tokens_and_files_are_vllms_at_dp2(moe_ranks, scenario):
     """Rank by rank: the same prompts, tokens and saved bytes as vLLM's
-    speculator at DP = 2 (DP = 2 splits the experts' sums, so not those of
-    DP = 1); the series' speculator is the patched class, its draft layer
-    ALWAYS, the runner's mode the one asked."""
+    speculator at DP = 2 (without expert parallelism each rank holds part of
+    every expert and the parts are summed across the ranks, so the reference
+    runs at the same DP size); the series' speculator is the patched class,
+    its draft layer ALWAYS, the runner's mode the one asked."""
     results, _, _ = moe_ranks
     for rank in range(2):
         got, want = results[SERIES, rank][scenario], results["vllm", rank][scenario]
