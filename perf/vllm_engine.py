@@ -430,10 +430,10 @@ def row_of(args, mode: str, size: int, graph_mode: str, r: SizeResult, sampler):
     def delta(key: str) -> float:
         return ours[key] - before.get(key, 0) if ours else math.nan
 
-    def target(graph_mode: str) -> float:
+    def target(ran: str) -> float:  # steps the target ran as ``ran``
         if r.target_after is None or r.target_before is None:
             return math.nan
-        return r.target_after[graph_mode] - r.target_before[graph_mode]
+        return r.target_after[ran] - r.target_before[ran]
 
     return {
         "engine": "vllm",
