@@ -25,13 +25,16 @@ OUT=${OUT:-out/ci_gate}
     --baseline perf/baselines/cpu.csv --machine-baselines perf/baselines/cpu "$@"
 
 # vLLM's real engine on this CPU, the tiny dummy model, the target replaying
-# its own graphs (vllm_on_cpu's fake graph API): gated on bit_exact and graph
+# its own graphs (vllm_on_cpu's fake graph API): gated on bit_exact, graph
 # replays, zero-copy ones included (decode steps replay the target's FULL
-# graphs) (rules.csv); its timings are informative only. The modes the gate
-# needs (no baseline: an engine start saved).
+# graphs), the target's FULL steps with ours, and zero-copy in exactly the
+# steps due, every step of the worker's log judged, with 8 clients in flight:
+# steps mixing prefills and decodes, then 8 requests decoding together
+# (rules.csv); its timings are informative only. The modes the gate needs (no
+# baseline: an engine start saved).
 "$PY" perf/sweep.py \
     --engine vllm --device cpu --modes upstream eager graph \
-    --workload decode --max-tokens 4 --sizes 1 --prompt-len 16 --clients 1 \
+    --workload decode --max-tokens 8 --sizes 8 --prompt-len 16 --clients 8 \
     --iters 1 --warmup 0 --threads 1 \
     --out "$OUT/vllm.csv"
 # Only run rules apply (no timing or count of a whole engine is compared with

@@ -41,7 +41,7 @@ DIRECTIONS = ("true", "higher", "lower")
 # Measured figures a sweep writes as a number >= 0, or leaves empty (NaN) where
 # it has none (NVML on a CPU, a speedup without its reference row); anything
 # else in a CSV is refused before a rule sees it.
-VERDICTS = ("bit_exact", "close_to_upstream")
+VERDICTS = ("bit_exact", "close_to_upstream", "zero_copy_where_due")
 FIGURES = [c for c in MEASURED if c not in (*KEY, "device", *VERDICTS, *TEXT)]
 # ... and these every row has: a timed step takes some time.
 TIMED = ["p50_us"]

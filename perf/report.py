@@ -52,9 +52,20 @@ _MEASURED = [
     ("copy_in_replays", _F0, "v"),
     ("zero_copy_replays", _F0, "v"),
     ("eager_steps", _F0, "v"),
+    ("target_full_steps", _F0, "v"),
+    ("target_piecewise_steps", _F0, "v"),
+    ("target_eager_steps", _F0, "v"),
     ("bit_exact", str, "sv"),
     ("close_to_upstream", str, "v"),
+    ("zero_copy_where_due", str, "v"),
 ]
+# The whole engine's target steps by the graph mode they ran in, and their
+# colours, not the modes' (C0, C1, ...): the PNG's third panel.
+TARGET_STEPS = {
+    "target_full_steps": ("FULL graph", "tab:purple"),
+    "target_piecewise_steps": ("PIECEWISE graph", "tab:olive"),
+    "target_eager_steps": ("eager", "tab:gray"),
+}
 MEASURED = [name for name, _, _ in _MEASURED]
 # Measured columns that hold words, not figures.
 TEXT = ["cudagraph_mode", "captured_sizes"]
@@ -139,16 +150,21 @@ def plot(
     png: Path,
     left_out: Mapping[str, Mapping[str, str]] | None = None,
 ) -> None:
-    """Latency and speedup against token count; ``left_out`` (engine -> mode
-    -> why, the sweep's ``skipped_modes``) is written under the panels, so
-    that a figure without the graph modes says so and why."""
+    """Latency and speedup against token count, and for the whole engine the
+    target's steps by graph mode; ``left_out`` (engine -> mode -> why, the
+    sweep's ``skipped_modes``) is written under the panels, so that a figure
+    without the graph modes says so and why."""
     import matplotlib
     import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (latency, speedup) = plt.subplots(1, 2, figsize=(12, 5))
+    panels = 3 if whole_engine(frame) else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 5))
+    latency, speedup = axes[:2]
+    if panels == 3:
+        plot_target_steps(axes[2], frame)
     series = frame.groupby(["engine", "mode"], sort=False)
     for index, ((engine, mode), rows) in enumerate(series):
         rows = rows.sort_values("num_tokens")
@@ -199,6 +215,28 @@ def plot(
         fig.text(0.01, 0.01, note, fontsize="small", wrap=True)
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def plot_target_steps(ax: Any, frame: pd.DataFrame) -> None:
+    """Stacked bars, one per mode (and size, where several): how many of
+    the timed runs' steps the target ran as a FULL graph, as a PIECEWISE
+    graph and eagerly."""
+    rows = frame.dropna(subset=list(TARGET_STEPS), how="all")
+    if rows.empty:
+        ax.text(0.5, 0.5, "no data", ha="center", transform=ax.transAxes)
+        return
+    sizes = rows["num_tokens"].nunique() > 1
+    labels = [
+        f"{mode}\n{size} prompts" if sizes else mode
+        for mode, size in zip(rows["mode"], rows["num_tokens"], strict=True)
+    ]
+    bottom = [0.0] * len(rows)
+    for column, (name, colour) in TARGET_STEPS.items():
+        counts = rows[column].fillna(0).tolist()
+        ax.bar(labels, counts, bottom=bottom, label=name, color=colour)
+        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+    ax.set(ylabel="steps in the timed runs", title="The target's steps by graph mode")
+    ax.legend(fontsize="small")
 
 
 def whole_engine(frame: pd.DataFrame) -> bool:

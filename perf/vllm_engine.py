@@ -18,6 +18,14 @@ ours, the same target graph mode: only our write differs).
 which resolves PIECEWISE where ours keeps FULL decode graphs (design.md);
 generated tokens' rows are left out, as one greedy token decided by a
 rounding differs in everything after it.
+
+What the target ran is read from its runner per step (vLLM's own record of
+the graph mode each step ran in: ``cudagraph_metrics``): the
+``target_*_steps`` columns count its FULL graph, PIECEWISE graph and eager
+steps in the timed runs, in every mode. On a CPU, where our worker logs every
+step (:mod:`vllm_on_cpu.step_log`), ``zero_copy_where_due`` says whether the
+``graph`` mode replayed zero-copy in exactly the steps due, every step of
+the engine's life (check run, warm-ups, timed runs) judged.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import torch
 
 from perf.engines import VLLM_DTYPES, Mode
 from perf.measure import Timings
+from vllm_on_cpu import step_log
 
 MODES = {
     "baseline": Mode("the target alone: no speculator, no connector"),
@@ -139,6 +148,9 @@ def engine_kwargs(args: Any, mode: str, storage: Path) -> dict[str, Any]:
         kwargs.setdefault("gpu_memory_utilization", 0.15)  # of host memory
     else:
         kwargs["worker_extension_cls"] = EXTENSION
+        # The runner's record of each step's graph mode, which the probe
+        # counts (on a CPU, target_graphs_kwargs asks for it).
+        kwargs["cudagraph_metrics"] = True
     if mode == "baseline":
         return kwargs
     keys = dict(OUR_KEYS.get(mode, {}))
@@ -153,19 +165,26 @@ def engine_kwargs(args: Any, mode: str, storage: Path) -> dict[str, Any]:
     return kwargs
 
 
-@contextlib.contextmanager
-def plugin_for(mode: str) -> Iterator[None]:
+def plugin_for(mode: str) -> contextlib.AbstractContextManager[None]:
     """vLLM's speculator modes start their engine processes with no plugin
     (they read ``VLLM_PLUGINS`` when they start); ours with ours."""
-    saved = os.environ.get("VLLM_PLUGINS")
-    os.environ["VLLM_PLUGINS"] = PLUGIN if mode in OUR_KEYS else ""
+    return environment(VLLM_PLUGINS=PLUGIN if mode in OUR_KEYS else "")
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """``values`` in this process's environment (so in the engine processes
+    started meanwhile), then the environment as it was."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop("VLLM_PLUGINS", None)
-        else:
-            os.environ["VLLM_PLUGINS"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def load_our_plugin() -> None:
@@ -197,6 +216,9 @@ class SizeResult:
     prompt_states: list[torch.Tensor] = field(default_factory=list)  # per check prompt
     stats_before: Any = None
     stats_after: Any = None
+    target_before: dict[str, int] | None = None  # the target's steps by mode
+    target_after: dict[str, int] | None = None
+    steps: list[dict[str, Any]] | None = None  # the step log's, on a CPU
 
 
 def prompts_for(args: Any, size: int) -> list[list[int]]:
@@ -289,16 +311,38 @@ def read_saved(load: Callable, path: str) -> dict[str, torch.Tensor]:
 
 async def run_mode(args, mode: str, storage: Path, sampler) -> tuple[str, dict]:
     """Start ``mode``'s engine, run every size, shut it down. Returns the
-    runner's resolved graph mode and the results by size."""
+    runner's resolved graph mode and the results by size, with, on a CPU,
+    each size's steps from our worker's step log."""
+    if args.device != "cpu":
+        return await serve_sizes(args, mode, storage, sampler, {})
+    with tempfile.TemporaryDirectory(prefix="cg_extract_steps_") as folder:
+        env = {step_log.STEP_LOG: folder}
+        graph_mode, results = await serve_sizes(args, mode, storage, sampler, env)
+        logged = [
+            step for steps in step_log.read(Path(folder)).values() for step in steps
+        ]
+    for size, result in results.items():
+        # The engine's request ids start with serve's tags, which start with
+        # the size.
+        result.steps = [
+            step
+            for step in logged
+            if all(r.startswith(f"{size}-") for r in step["scheduled"])
+        ]
+    return graph_mode, results
+
+
+async def serve_sizes(args, mode, storage, sampler, env) -> tuple[str, dict]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    with plugin_for(mode):
+    with plugin_for(mode), environment(**env):
         engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**engine_kwargs(args, mode, storage))
         )
     try:
         (graph_mode, *_) = await engine.collective_rpc("cudagraph_mode")
+        await target_steps(engine)  # starts counting them
         results = {}
         for size in args.sizes:
             prompts = prompts_for(args, size)
@@ -313,6 +357,7 @@ async def run_mode(args, mode: str, storage: Path, sampler) -> tuple[str, dict]:
             for w in range(args.warmup):
                 await serve(engine, args, mode, prompts, f"{size}-w{w}", args.clients)
             result.stats_before = await speculator_stats(engine)
+            result.target_before = await target_steps(engine)
             with sampler.segment(("vllm", mode, size)):
                 for r in range(args.iters):
                     wall, latencies, _ = await serve(
@@ -321,6 +366,7 @@ async def run_mode(args, mode: str, storage: Path, sampler) -> tuple[str, dict]:
                     result.wall_s.append(wall)
                     result.latency.device_us += latencies
             result.stats_after = await speculator_stats(engine)
+            result.target_after = await target_steps(engine)
             results[size] = result
         return graph_mode, results
     finally:
@@ -329,6 +375,11 @@ async def run_mode(args, mode: str, storage: Path, sampler) -> tuple[str, dict]:
 
 async def speculator_stats(engine) -> dict[str, Any] | None:
     (rank0, *_) = await engine.collective_rpc("speculator_stats")
+    return rank0
+
+
+async def target_steps(engine) -> dict[str, int] | None:
+    (rank0, *_) = await engine.collective_rpc("target_steps")
     return rank0
 
 
@@ -360,6 +411,9 @@ def run(args: Any, sampler: Any, emit: Callable[[list[dict[str, Any]]], None]) -
             row["close_to_upstream"] = close_to_upstream(
                 mode, results[size], checked.get(REFERENCE, {}).get(size)
             )
+            row["zero_copy_where_due"] = zero_copy_where_due(
+                mode, graph_mode, results[size]
+            )
         if mode in (REFERENCE, EXACT_REFERENCE):
             checked[mode] = results
         emit(list(done[mode].values()))
@@ -376,6 +430,11 @@ def row_of(args, mode: str, size: int, graph_mode: str, r: SizeResult, sampler):
     def delta(key: str) -> float:
         return ours[key] - before.get(key, 0) if ours else math.nan
 
+    def target(ran: str) -> float:  # steps the target ran as ``ran``
+        if r.target_after is None or r.target_before is None:
+            return math.nan
+        return r.target_after[ran] - r.target_before[ran]
+
     return {
         "engine": "vllm",
         "mode": mode,
@@ -391,6 +450,9 @@ def row_of(args, mode: str, size: int, graph_mode: str, r: SizeResult, sampler):
         "copy_in_replays": delta("copy_in_replays"),
         "zero_copy_replays": delta("zero_copy_replays"),
         "eager_steps": delta("eager_steps"),
+        "target_full_steps": target("FULL"),
+        "target_piecewise_steps": target("PIECEWISE"),
+        "target_eager_steps": target("NONE"),
     }
 
 
@@ -434,6 +496,20 @@ def close_to_upstream(
     except AssertionError:
         return False
     return True
+
+
+def zero_copy_where_due(mode: str, graph_mode: str, result: SizeResult) -> bool | None:
+    """``graph``'s every logged step took zero-copy exactly where due
+    (:func:`vllm_on_cpu.step_log.zero_copy_violations`, which it prints
+    where not); None for the other modes and without logged steps (a GPU
+    has no step log)."""
+    if mode != "graph" or not result.steps:
+        return None
+    full_sizes = result.stats_after["target_graphs"]["full_sizes"]
+    wrong = step_log.zero_copy_violations(result.steps, full_sizes, graph_mode)
+    for line in wrong:
+        print(f"sweep: graph: {line}", file=sys.stderr)
+    return not wrong
 
 
 # --------------------------------------------------------------------------

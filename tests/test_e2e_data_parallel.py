@@ -8,7 +8,7 @@ engines (``core.py``: "Non-MoE DP ranks are completely independent"); the
 plugin's graphs run so, against the same prompts through one in-process
 engine (DP=1) with vLLM's own speculator. The server's ``/collective_rpc``
 reaches one engine core, so each rank writes its own steps to a file
-(``ENGINE_WORKER_STEP_LOG``, :mod:`vllm_on_cpu.worker`): the requests its
+(``ENGINE_WORKER_STEP_LOG``, :mod:`vllm_on_cpu.step_log`): the requests its
 scheduler gave it, the graph sizes it replayed, its stats.
 
 An MoE model's ranks run in lockstep: every step (a dummy one on an idle
@@ -47,6 +47,7 @@ from tests.real_engine import (
     run_engines,
 )
 from tests.users_client import fetch_all
+from vllm_on_cpu import step_log
 from vllm_on_cpu.engine import (
     CAPTURE_SIZES,
     ROOT,
@@ -56,7 +57,6 @@ from vllm_on_cpu.engine import (
     engine_kwargs,
     load_saved,
 )
-from vllm_on_cpu.worker import STEP_LOG
 
 sys.path.insert(0, str(ROOT / "upstream"))
 import apply_series  # noqa: E402
@@ -84,12 +84,16 @@ def served(model_dir, tmp_path_factory):
         "reference", "vllm", model_dir, workdir, "--scenarios", *WAVES
     )
     steps = workdir / "steps"
-    env = engine_env("graphs", **{STEP_LOG: str(steps)})
+    env = engine_env("graphs", **{step_log.STEP_LOG: str(steps)})
     with serve(kwargs, env, workdir / "server.log") as base_url:
         run_engines([reference.engine], timeout=300)
         got = client_waves(base_url, model_dir)
     results = reference.results()
-    return got, step_logs(steps), {wave: results[wave]["requests"] for wave in WAVES}
+    return (
+        got,
+        step_log.read(steps),
+        {wave: results[wave]["requests"] for wave in WAVES},
+    )
 
 
 def client_waves(base_url: str, model_dir: Path) -> dict[str, list]:
@@ -97,14 +101,6 @@ def client_waves(base_url: str, model_dir: Path) -> dict[str, list]:
     return {
         wave: asyncio.run(fetch_all(base_url, str(model_dir), prompts()))
         for wave, prompts in WAVES.items()
-    }
-
-
-def step_logs(folder: Path) -> dict[str, list[dict]]:
-    """Each rank's step log, by rank (``dp0_tp0``, ...)."""
-    return {
-        f.stem: [json.loads(line) for line in f.read_text().splitlines()]
-        for f in sorted(folder.glob("*.jsonl"))
     }
 
 
@@ -261,7 +257,7 @@ def moe_ranks(tmp_path_factory):
                     VLLM_DP_RANK_LOCAL=str(rank),
                     VLLM_DP_MASTER_IP="127.0.0.1",
                     VLLM_DP_MASTER_PORT=str(port),
-                    **{STEP_LOG: str(workdir / f"{way}_steps")},
+                    **{step_log.STEP_LOG: str(workdir / f"{way}_steps")},
                 )
     run_engines([run.engine for run in runs.values()], timeout=900)
     results = {key: run.results() for key, run in runs.items()}
@@ -270,7 +266,7 @@ def moe_ranks(tmp_path_factory):
         f.name.split(".")[0]: json.loads(f.read_text())
         for f in sorted(steps.glob("*.capture.json"))
     }
-    return results, step_logs(steps), captures
+    return results, step_log.read(steps), captures
 
 
 def test_the_series_captures_with_no_collective(moe_ranks):

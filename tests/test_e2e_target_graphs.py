@@ -18,6 +18,10 @@ FULL_AND_PIECEWISE our speculator asks for ``"cudagraph_backend": "cuda"``
 :func:`vllm_on_cpu.cuda_graph.declare_cuda`), so its graphs are captured on a
 GPU run's path (vLLM's ``graph_capture``, the global graph pool,
 ``capture_pool``) into the fake graph API; under the other modes, emulated.
+
+Each engine's worker logs its steps (:mod:`vllm_on_cpu.step_log`): every step,
+several requests decoding together included, must have taken zero-copy
+exactly where due (the check the CI gate's engine run makes too).
 """
 
 import pytest
@@ -26,6 +30,7 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 from tests.generate_scenarios import TARGET_SCENARIOS, scenario_run
 from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
+from vllm_on_cpu import step_log
 from vllm_on_cpu.engine import (
     TARGET_BACKEND,
     TARGET_MODE,
@@ -45,13 +50,21 @@ GRAPH_TYPES = {
 
 
 @pytest.fixture(scope="module")
-def results(model_dir, tmp_path_factory):
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e_target_graphs")
+
+
+@pytest.fixture(scope="module")
+def results(model_dir, workdir):
     require_cpu_engine()
-    workdir = tmp_path_factory.mktemp("e2e_target_graphs")
     options = ("--scenarios", *TARGET_SCENARIOS)
     runs = {"vllm": scenario_run("vllm", "vllm", model_dir, workdir, *options)}
     for mode in TARGET_MODES:
-        env = {TARGET_MODE: mode, TARGET_BACKEND: BACKENDS[mode]}
+        env = {
+            TARGET_MODE: mode,
+            TARGET_BACKEND: BACKENDS[mode],
+            step_log.STEP_LOG: str(workdir / "steps" / mode),
+        }
         runs[mode] = scenario_run(mode, "target", model_dir, workdir, *options, **env)
     run_engines([run.engine for run in runs.values()], timeout=900)
     return {name: run.results() for name, run in runs.items()}
@@ -134,3 +147,21 @@ def test_our_graphs_took_the_backends_path(results, mode):
         assert api.get("runner_pool_is_global", not cuda), scenario
         ours = delta(got, "stats", "replays") if cuda else 0
         assert delta(got, "graph_api", "replays") == ours, scenario
+
+
+@pytest.mark.parametrize("mode", TARGET_MODES)
+def test_every_step_replayed_zero_copy_exactly_where_due(results, workdir, mode):
+    """Both scenarios' steps, from the worker's step log: the ``decode``
+    scenario's four requests (and ``short_prefill_then_decode``'s three)
+    decode together once their prefills are done, beside steps that mix
+    prefill chunks with decodes."""
+    after = probe(results[mode][TARGET_SCENARIOS[-1]])
+    (steps,) = step_log.read(workdir / "steps" / mode).values()
+    full_sizes = after["target_graphs"]["full_sizes"]
+    wrong = step_log.zero_copy_violations(steps, full_sizes, after["cudagraph_mode"])
+    assert wrong == [], "\n".join(wrong)
+    # What makes it a check under load: steps with several requests all
+    # decoding replayed zero-copy, and steps with a prefill ran too.
+    together = [s for s in steps if not s["prefill"] and len(s["scheduled"]) > 1]
+    assert any(s["paths"] == ["zero_copy"] for s in together)
+    assert any(s["prefill"] for s in steps)

@@ -669,8 +669,9 @@ VLLM_RUN = BASELINES / "cpu_vllm.csv"
 
 def test_a_whole_engine_run_is_gated_on_correctness_and_replays(tmp_path, capsys):
     """The committed CPU run of the vllm engine passes as itself, text columns
-    (graph mode, captured sizes, model) and all; its checks are bit_exact
-    and the graph mode's replays, nothing else."""
+    (graph mode, captured sizes, model) and all; its checks are bit_exact,
+    the graph mode's replays, zero-copy where due and the target's FULL
+    steps with ours, nothing else."""
     run = pd.read_csv(VLLM_RUN)
     assert run_gate(tmp_path, run, run) == 0
     output = capsys.readouterr().out
@@ -680,6 +681,9 @@ def test_a_whole_engine_run_is_gated_on_correctness_and_replays(tmp_path, capsys
         ("graph", "close_to_upstream"),
         ("graph", "copy_in_replays"),
         ("graph", "zero_copy_replays"),
+        ("graph", "zero_copy_where_due"),
+        ("eager", "target_full_steps"),
+        ("graph", "target_full_steps"),
     }
 
 
@@ -691,6 +695,7 @@ def test_a_gpu_decode_run_that_replays_zero_copy_passes(tmp_path, capsys):
     gpu = run.copy()
     graph = gpu["mode"] == "graph"
     gpu.loc[graph, ["copy_in_replays", "zero_copy_replays"]] = [0.0, 40.0]
+    gpu.loc[graph, "zero_copy_where_due"] = None  # no step log on a GPU
     assert run_gate(tmp_path, run, gpu) == 0
     output = capsys.readouterr().out
     assert ("graph", "copy_in_replays") not in checked(output)
@@ -704,6 +709,9 @@ def test_a_gpu_decode_run_that_replays_zero_copy_passes(tmp_path, capsys):
         ("zero_copy_replays", 0.0),
         ("bit_exact", False),
         ("close_to_upstream", False),
+        ("zero_copy_where_due", False),
+        ("zero_copy_where_due", None),  # a CPU run whose steps were not logged
+        ("target_full_steps", 0.0),
     ],
 )
 def test_a_whole_engine_without_replays_or_exact_files_fails(

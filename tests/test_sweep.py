@@ -642,8 +642,8 @@ def test_a_whole_engines_plot_and_table_read_as_requests_and_prompts(
 ):
     """The vllm engine's committed CPU run: its x is prompts per run, its
     latency a request's, its title says CPU timings are informative only and
-    names the model (it has no hidden-size parameter); replays print as
-    counts."""
+    names the model (it has no hidden-size parameter); a third panel stacks
+    the target's steps by graph mode, per mode; replays print as counts."""
     import matplotlib.pyplot as plt
 
     figures = []
@@ -651,8 +651,16 @@ def test_a_whole_engines_plot_and_table_read_as_requests_and_prompts(
     frame = pd.read_csv(REPO / "perf" / "baselines" / "cpu_vllm.csv")
     report.plot(frame, tmp_path / "p.png")
     figure = figures.pop()
-    latency, speedup = figure.axes
+    latency, speedup, target = figure.axes
     assert latency.get_xlabel() == speedup.get_xlabel() == "prompts per run"
+    # One bar a mode and graph mode, stacked in the CSV's order, as high as
+    # the CSV's counts.
+    stacks = [c.patches for c in target.containers]
+    assert [c.get_label() for c in target.containers] == [
+        name for name, _ in report.TARGET_STEPS.values()
+    ]
+    for column, bars in zip(report.TARGET_STEPS, stacks, strict=True):
+        assert [b.get_height() for b in bars] == frame[column].tolist(), column
     assert latency.get_ylabel() == "p50 request latency (us)"
     title = figure._suptitle.get_text()
     assert "model tiny dummy Llama" in title and "hidden nan" not in title
@@ -661,7 +669,7 @@ def test_a_whole_engines_plot_and_table_read_as_requests_and_prompts(
     )
     header, *lines = report.table(frame).splitlines()
     (graph,) = [line for line in lines if " graph " in line]
-    for column in ("copy_in_replays", "eager_steps"):  # right-aligned under it
+    for column in ("copy_in_replays", "eager_steps", "target_full_steps"):  # aligned
         end = header.index(column) + len(column)
         assert (
             graph[:end].split()[-1]

@@ -204,10 +204,13 @@ def env_choice(var: str, choices: tuple[str, ...], default: str) -> str:
 
 def target_graphs_kwargs(mode: str = "FULL_AND_PIECEWISE") -> dict[str, Any]:
     """Engine keywords for the target's graphs in ``mode``: no torch.compile
-    (mode 0; FULL graphs wrap the model directly), sizes left to vLLM."""
+    (mode 0; FULL graphs wrap the model directly), sizes left to vLLM, and
+    vLLM's per-step record of the graph mode each step ran in
+    (``cudagraph_metrics``), which the step log and the probe read."""
     return {
         "enforce_eager": False,
         "compilation_config": {"mode": 0, "cudagraph_mode": mode},
+        "cudagraph_metrics": True,
     }
 
 

@@ -4,8 +4,8 @@ Mixed into the worker with vLLM's own ``worker_extension_cls`` engine
 argument (``--worker-extension-cls``) on a GPU, and a base of
 :class:`vllm_on_cpu.worker.SpeculatorGraphsCPUWorker` on a CPU, so that
 the sweep and the tests read the same values from the same runner: the
-graph mode the runner resolved, and the speculator's class, graphs and
-replays.
+graph mode the runner resolved, what the target ran each step (FULL graph,
+PIECEWISE graph or eagerly), and the speculator's class, graphs and replays.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 from vllm_on_cpu import cuda_graph
 
 EXTENSION = f"{__name__}.EngineProbe"
+# The runtime modes vLLM's runner runs a step in (CUDAGraphMode names).
+TARGET_MODES = ("FULL", "PIECEWISE", "NONE")
 
 
 class EngineProbe:
@@ -29,6 +31,28 @@ class EngineProbe:
         manager = getattr(self.model_runner, "cudagraph_manager", None)
         mode = getattr(manager, "cudagraph_mode", None)
         return mode.name if mode is not None else "NONE"
+
+    def target_steps(self) -> dict[str, int]:
+        """How many steps the target ran as a FULL graph, as a PIECEWISE
+        graph and eagerly (``NONE``), since this was first asked (it then
+        starts counting them), each read from the runner's own record of
+        the step (:func:`target_step`)."""
+        runner = self.model_runner
+        counts = vars(runner).get("target_steps_counted")
+        if counts is None:
+            require_step_records(runner)
+            counts = runner.target_steps_counted = dict.fromkeys(TARGET_MODES, 0)
+            execute_model = runner.execute_model
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                output = execute_model(*args, **kwargs)
+                step = target_step(runner)
+                if step is not None:
+                    counts[step["target"]] += 1
+                return output
+
+            runner.execute_model = counted
+        return dict(counts)
 
     def speculator_stats(self) -> dict[str, Any] | None:
         """Our ``cudagraph_stats()`` (None for vLLM's class), the class's name,
@@ -73,6 +97,52 @@ class EngineProbe:
             "aux_dtypes": aux_dtypes_seen(speculator),
             "graph_api": graph_api(speculator, runner),
         }
+
+
+def require_step_records(runner: Any) -> None:
+    """The runner records each step's graph mode only with vLLM's
+    ``cudagraph_metrics`` on (``--cudagraph-metrics``)."""
+    if not runner.observability_config.cudagraph_metrics:
+        raise ValueError(
+            "the target's graph mode per step is read from vLLM's per-step "
+            "CUDA graph record, which the runner keeps only with "
+            "cudagraph_metrics=True (--cudagraph-metrics); start the engine "
+            "with it"
+        )
+
+
+def target_step(runner: Any) -> dict[str, Any] | None:
+    """What the target ran in the step ``runner.execute_model`` has just
+    run, as the runner recorded it for ``sample_tokens`` (its
+    ``execute_model_state``): the graph mode it dispatched the batch to and
+    ran (``runtime_mode`` of vLLM's ``CUDAGraphStat``: "FULL", "PIECEWISE"
+    or "NONE"), its token count before and after padding, whether any
+    request was prefilling (the input batch's ``has_prefill``) and whether
+    the batch is what vLLM's FULL decode graphs take, a uniform decode
+    batch (every request at the runner's ``decode_query_len``: one sampled
+    token and its drafts; as the runner asks ``dispatch``, with vLLM's own
+    ``get_uniform_decode_token_count``). None for a step with no forward
+    and for dummy runs, which the runner records nothing for."""
+    from vllm.v1.worker.utils import get_uniform_decode_token_count
+
+    state = getattr(runner, "execute_model_state", None)
+    stat = getattr(state, "cudagraph_stats", None)
+    if stat is None:
+        return None
+    batch = state.input_batch
+    uniform = get_uniform_decode_token_count(
+        batch.num_reqs,
+        batch.num_tokens,
+        int(batch.num_scheduled_tokens.max()),
+        batch.decode_graph_eligible,
+    )
+    return {
+        "target": stat.runtime_mode,
+        "tokens": stat.num_unpadded_tokens,
+        "padded": stat.num_padded_tokens,
+        "prefill": bool(batch.has_prefill),
+        "uniform_decode": uniform == runner.decode_query_len,
+    }
 
 
 def graph_api(speculator: Any, runner: Any) -> dict[str, Any]:

@@ -24,9 +24,9 @@ Its other methods (and :class:`vllm_on_cpu.engine_probe.EngineProbe`'s) are for
 tests and the sweep to call through ``collective_rpc`` (``LLM.collective_rpc``,
 ``AsyncLLM.collective_rpc`` or the server's dev-mode ``/collective_rpc``).
 With data parallelism the server's ``/collective_rpc`` reaches one engine
-core only, so where :data:`STEP_LOG` names a folder each rank also writes its
-own steps there (:class:`StepLog`), and what its speculator's capture asked
-of the other ranks (:class:`CaptureCollectives`).
+core only, so where ``ENGINE_WORKER_STEP_LOG`` names a folder each rank also
+writes its own steps there (:class:`vllm_on_cpu.step_log.StepLog`), and what
+its speculator's capture asked of the other ranks (:class:`CaptureCollectives`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +42,10 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.workspace import init_workspace_manager, use_workspace_lane
 
-from vllm_on_cpu import cuda_graph, data_parallel, target_graphs
-from vllm_on_cpu.engine_probe import EngineProbe, vllm_graphs
+from vllm_on_cpu import data_parallel, target_graphs
+from vllm_on_cpu.engine_probe import EngineProbe
+from vllm_on_cpu.step_log import RankFile, StepLog
 
-# A folder: each rank appends its steps to ``dp<DP rank>_tp<TP rank>.jsonl``.
-STEP_LOG = "ENGINE_WORKER_STEP_LOG"
 # "wrong_slot": a PLANTED BUG for the tests that must see a wrong write
 # caught: our graph path writes each token's hidden states into the slot of
 # the token before it (the step's slots rotated by one).
@@ -61,108 +59,6 @@ def plant_wrong_slot_write(graphs: Any) -> None:
         return run(aux_hidden_states, slot_mapping.roll(1), padded)
 
     graphs.run = wrong_slots
-
-
-class RankFile:
-    """A record of this rank's speculator in ``<STEP_LOG>/dp<DP rank>_tp<TP
-    rank><SUFFIX>``, where :data:`STEP_LOG` names a folder."""
-
-    SUFFIX = ""
-
-    @classmethod
-    def open(cls, worker: Any) -> Any:
-        """One for ``worker``'s speculator; None without a folder or a
-        speculator."""
-        folder = os.environ.get(STEP_LOG)
-        speculator = worker.model_runner.speculator
-        if not folder or speculator is None:
-            return None
-        parallel = worker.vllm_config.parallel_config
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        name = f"dp{parallel.data_parallel_index}_tp{worker.rank}{cls.SUFFIX}"
-        return cls(Path(folder) / name, speculator)
-
-
-class StepLog(RankFile):
-    """One JSON line per step this rank ran: ``scheduled`` (request id to the
-    tokens the scheduler gave this rank; empty for a DP dummy step, marked
-    ``dummy``), ``replayed`` (the sizes of the speculator's graphs replayed:
-    ours as our graph managers returned them, a vLLM ``CudaGraphManager``'s
-    as the descriptors it ran), ``dp_synced``: whether the runner handed
-    ``propose`` a ``dp_sync_state`` (the DP ranks' token counts) in that
-    step, ``num_tokens_across_dp``: those counts (None without), and the
-    speculator's stats after it (our ``cudagraph_stats()``, else its vLLM
-    graph managers'). Written as each step ends, so a server stopped by a
-    signal has lost nothing."""
-
-    SUFFIX = ".jsonl"
-
-    def __init__(self, path: Path, speculator: Any):
-        self.path = path
-        self.speculator = speculator
-        self.pending: deque[dict[str, int]] = deque()
-        self.replayed: list[int] = []
-        self.dp_synced: list[bool] = []
-        self.num_tokens_across_dp: list[list[int] | None] = []
-        speculator.propose = self._recording_dp(speculator.propose)
-        graphs = getattr(speculator, "graphs", None)
-        for manager in (graphs.copy_in, graphs.zero_copy) if graphs else ():
-            if manager is not None:
-                manager.replay = self._recording(manager.replay)
-        for name in vllm_graphs(speculator):
-            manager = getattr(speculator, name)
-            manager.run_fullgraph = self._recording_desc(manager.run_fullgraph)
-
-    def _recording(self, replay):
-        def recorded(num_tokens: int) -> int:
-            padded = replay(num_tokens)
-            self.replayed.append(padded)
-            return padded
-
-        return recorded
-
-    def _recording_desc(self, run_fullgraph):
-        def recorded(desc: Any) -> Any:
-            self.replayed.append(desc.num_tokens)
-            return run_fullgraph(desc)
-
-        return recorded
-
-    def _recording_dp(self, propose):
-        def recorded(*args: Any, **kwargs: Any):
-            sync = kwargs.get("dp_sync_state")
-            self.dp_synced.append(sync is not None)
-            self.num_tokens_across_dp.append(
-                None if sync is None else sync.num_tokens_across_dp.tolist()
-            )
-            return propose(*args, **kwargs)
-
-        return recorded
-
-    def scheduled(self, num_scheduled_tokens: dict[str, int]) -> None:
-        if num_scheduled_tokens:
-            self.pending.append(dict(num_scheduled_tokens))
-
-    def write(self, dummy: bool = False) -> None:
-        stats = getattr(self.speculator, "cudagraph_stats", None)
-        line = {
-            "scheduled": {} if dummy else self.pending.popleft(),
-            "replayed": self.replayed,
-            "dp_synced": self.dp_synced,
-            "num_tokens_across_dp": self.num_tokens_across_dp,
-            "stats": stats() if stats else vllm_graphs(self.speculator),
-            # The stand-in graph API's counts in this process (the target's
-            # graphs, and the series' speculator's, which it captures too).
-            "graph_api": {
-                "captured": cuda_graph.counts.captured,
-                "replays": cuda_graph.counts.replays,
-            },
-        }
-        if dummy:
-            line["dummy"] = True
-        self.replayed, self.dp_synced, self.num_tokens_across_dp = [], [], []
-        with open(self.path, "a") as out:
-            out.write(json.dumps(line) + "\n")
 
 
 # torch.distributed's collectives, as CaptureCollectives counts them (one
@@ -203,14 +99,14 @@ class CaptureCollectives(RankFile):
 
     SUFFIX = ".capture.json"
 
-    def __init__(self, path: Path, speculator: Any):
+    def __init__(self, path: Path, runner: Any):
         self.path = path
         self.counts: dict[str, Any] = {
             "captures": 0,
             "coordinate_batch_across_dp": 0,
             "collectives": {},
         }
-        capture = speculator.capture
+        capture = runner.speculator.capture
 
         def counted() -> None:
             with self._counting():
@@ -218,7 +114,7 @@ class CaptureCollectives(RankFile):
             self.counts["captures"] += 1
             self.path.write_text(json.dumps(self.counts))
 
-        speculator.capture = counted
+        runner.speculator.capture = counted
 
     @contextlib.contextmanager
     def _counting(self):
