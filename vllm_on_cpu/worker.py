@@ -206,13 +206,14 @@ class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
         self.step_log = StepLog.open(self)
         return times
 
-    # The step log's hooks: the scheduler's share of this rank before the
-    # forward; the write once the speculator ran (MRv2 proposes in
-    # sample_tokens).
+    # The step log's hooks: the scheduler's share of this rank and what the
+    # target ran, once the runner ran the forward; the write once the
+    # speculator ran (MRv2 proposes in sample_tokens).
     def execute_model(self, scheduler_output: Any):
+        output = super().execute_model(scheduler_output)
         if self.step_log is not None:
             self.step_log.scheduled(scheduler_output.num_scheduled_tokens)
-        return super().execute_model(scheduler_output)
+        return output
 
     def sample_tokens(self, grammar_output: Any):
         output = super().sample_tokens(grammar_output)
