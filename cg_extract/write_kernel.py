@@ -87,7 +87,7 @@ def launch_args(
     slot_mapping: torch.Tensor,
 ) -> tuple[tuple[int, int], tuple, dict[str, int]]:
     """Grid, arguments and constexprs of the launch for these tensors (what
-    Triton specialises on: ``tests/kernel_keys.py`` counts them)."""
+    Triton specialises on: ``tests/torch_alone/kernel_keys.py`` counts them)."""
     hidden_size = kv_cache.shape[3]
     block_h = min(max(triton.next_power_of_2(hidden_size), MIN_BLOCK_H), MAX_BLOCK_H)
     grid = (slot_mapping.shape[0], triton.cdiv(hidden_size, block_h))

@@ -16,15 +16,15 @@ hidden states of another dtype (it stacks them, mixed dtypes promoting, and
 copies the stack into its buffer of the model's dtype), and so does ours,
 in ``propose`` before any path (``ExtractHiddenStatesSpeculator.
 _as_model_dtype``), so from ``propose`` the refusal is unreachable
-(``tests/test_speculator_graphs.py``, ``tests/test_zero_copy.py`` and, in
-vLLM's engine, the other-dtype families of ``tests/test_e2e_families.py``).
+(``tests/vllm_objects/test_speculator_graphs.py``, ``tests/vllm_objects/test_zero_copy.py`` and, in
+vLLM's engine, the other-dtype families of ``tests/vllm_engine/test_e2e_families.py``).
 The conversion stays there rather than in the kernel because torch's ``.to``
 is the very rounding vLLM's ``copy_`` does, on every device, while a
 conversion inside the Triton kernel would be Triton's, and Triton's
 interpreter, the only place this project runs the kernel, narrows
 differently: it truncates float32 to bfloat16 where torch (and a GPU's
 round-to-nearest-even) rounds, 499 of 1 024 random values apart (Triton
-3.9.0, 2-core AMD EPYC VM; ``tests/write_kernel_interpreted.py`` checks the
+3.9.0, 2-core AMD EPYC VM; ``tests/torch_alone/write_kernel_interpreted.py`` checks the
 truncation). The cost, only for models whose layers emit another dtype, is
 vLLM's own stacked copy a step, and no zero-copy graphs (the target's
 persistent buffers are in the layers' dtype).

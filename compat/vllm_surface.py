@@ -12,7 +12,7 @@ name the source lacks reads ``MISSING``. The names come from cg_extract's
 own source (its ``vllm`` imports, the classes it subclasses and their
 methods it overrides) and :data:`PATCHED` (what ``plugin.register`` swaps or
 wraps). ``compat/vllm-<version>.txt`` holds the output for each version
-``cg_extract.plugin.TESTED_VLLM`` names; ``tests/test_compat_surface.py``
+``cg_extract.plugin.TESTED_VLLM`` names; ``tests/torch_alone/test_compat_surface.py``
 keeps them true.
 """
 

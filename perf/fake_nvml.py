@@ -7,7 +7,7 @@ with the code real NVML returns: ``Uninitialized`` for any call before
 ``nvmlInit`` or after ``nvmlShutdown``, ``InvalidArgument`` for a device index
 it does not have, ``LibraryNotFound`` from ``nvmlInit`` on a machine without the
 driver, ``NotSupported`` for a counter the GPU lacks (energy before Volta).
-``tests/test_nvml.py`` checks the signatures against the installed pynvml.
+``tests/torch_alone/test_nvml.py`` checks the signatures against the installed pynvml.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
 #
 # OUTDIR gets two files (a GPU machine returns at most 8): summary.txt, one
 # line per step and a verdict; gpu_check.tar.gz, every log and result.
-# GPU_CHECK_STAND_IN=SCRIPT (tests/test_gpu_check.py only): a STAND-IN writes
+# GPU_CHECK_STAND_IN=SCRIPT (tests/torch_alone/test_gpu_check.py only): a STAND-IN writes
 # the CUDA steps' results (`$PY SCRIPT tests|sweep ARGS...`); summary.txt says so.
 set -uo pipefail
 OUT=${1:?usage: perf/gpu_check.sh OUTDIR}

@@ -120,7 +120,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
     # Aux hidden states in another dtype than the engine's: a Llama whose
     # layers but the last emit their hidden states and residual in their
-    # ``residual_dtypes`` entry (tests/residual_dtype_llama.py); the saved
+    # ``residual_dtypes`` entry (tests/vllm_engine/residual_dtype_llama.py); the saved
     # states are these three layers' sums. bfloat16 states in a float32
     # engine; float32 ones, with a bfloat16 one between them, in a bfloat16
     # engine.

@@ -54,7 +54,7 @@ PLUGIN = "cg_extract"
 WORKER = "vllm_on_cpu.worker.SpeculatorGraphsCPUWorker"
 
 # The ways every scenario runs; the target-graphs way runs a few
-# (tests/test_e2e_target_graphs.py).
+# (tests/vllm_engine/test_e2e_target_graphs.py).
 WAYS = ("vllm", "eager", "graphs")
 # The upstream/ series way: vLLM with upstream/'s patches, the plugin not loaded.
 SERIES = "series"

@@ -21,7 +21,7 @@ from tests.write_cases import (
     write_case,
 )
 
-# Each compile costs the GPU check about a second (tests/kernel_keys.py counts
+# Each compile costs the GPU check about a second (tests/torch_alone/kernel_keys.py counts
 # and times them), so not the full product: every pair of dtype, hidden size
 # and layout (with its layer count) appears once, 12 compiles. Hidden sizes:
 # 1 (an int Triton makes a constant), 100 (one partial chunk), 4096 (four

@@ -1,6 +1,6 @@
 """A STAND-IN for the CUDA steps of ``perf/gpu_check.sh``, on a machine
-without CUDA: ``GPU_CHECK_STAND_IN=tests/gpu_check_stand_in.py`` makes the
-script run ``$PY tests/gpu_check_stand_in.py tests|sweep COMMAND...`` instead
+without CUDA: ``GPU_CHECK_STAND_IN=tests/torch_alone/gpu_check_stand_in.py`` makes the
+script run ``$PY tests/torch_alone/gpu_check_stand_in.py tests|sweep COMMAND...`` instead
 of ``$PY COMMAND...``, so that the verdict branches a GPU run takes run here.
 Nothing it writes is a GPU result; the script's summary says so.
 

@@ -1,7 +1,7 @@
 """How many specialisations of the Triton write kernel ``perf/gpu_check.sh``
 compiles, and how long compiling them cold for sm_90 takes, with no GPU.
 
-    python -m tests.kernel_keys [--compile]
+    python -m tests.torch_alone.kernel_keys [--compile]
 
 Each launch is keyed by Triton's own binder for a ``GPUTarget("cuda", 90,
 32)`` (dtypes, ints equal to 1, 16-divisible ints and addresses, tuple
@@ -9,10 +9,10 @@ lengths, ``BLOCK_H``): one compile per distinct key. The launches are recorded
 on CPU: every call of the write op's CPU body gets the tensors the CUDA body
 would launch the kernel with (same strides, same offsets; both allocators
 align to far more than 16 bytes). What runs: the cases of
-``tests/test_write_kernel_cuda.py``, the emulated twin of every other
+``tests/cuda/test_write_kernel_cuda.py``, the emulated twin of every other
 ``cuda``-marked test (same test, ``emulated`` for ``cuda`` in its id), and the
 ``kernel`` engine's modes at the settings of the two CUDA sweeps of
-``tests/test_sweep.py`` and of the check's own sweep. ``--compile`` compiles
+``tests/torch_alone/test_sweep.py`` and of the check's own sweep. ``--compile`` compiles
 each key once, into a fresh Triton cache, and times it.
 """
 
@@ -35,7 +35,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from cg_extract import cache_write, write_kernel
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SM90 = GPUTarget("cuda", 90, 32)
 
 
@@ -115,7 +115,7 @@ class EmulatedTwins:
 
 
 def kernel_test_launches(keys: KernelKeys) -> None:
-    from tests import test_write_kernel_cuda as kernel_tests
+    from tests.cuda import test_write_kernel_cuda as kernel_tests
 
     for case_args in kernel_tests.CUDA_CASES:
         case = kernel_tests.cuda_case(*case_args)
@@ -154,14 +154,14 @@ def sweep_launches(argv: list[str], modes=None) -> None:
 
 SOURCES = (
     "perf/gpu_check.sh's kernel sweep",
-    "tests/test_write_kernel_cuda.py",
+    "tests/cuda/test_write_kernel_cuda.py",
     "emulated twins of the other cuda tests",
-    "tests/test_sweep.py's cuda tests",
+    "tests/torch_alone/test_sweep.py's cuda tests",
 )
 
 
 def check_launches(keys: KernelKeys) -> None:
-    from tests import test_sweep
+    from tests.torch_alone import test_sweep
 
     keys.source = SOURCES[0]
     sweep_launches([])

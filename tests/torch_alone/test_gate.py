@@ -16,7 +16,7 @@ import pytest
 from perf import gate, report
 from perf.machine import machine_key
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BASELINES = REPO / "perf" / "baselines"
 REFERENCE = BASELINES / "cpu.csv"  # from a CPU whose identity was not recorded
 OWN = (

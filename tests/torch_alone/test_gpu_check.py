@@ -1,10 +1,10 @@
 """``perf/gpu_check.sh`` rehearsed on this CPU as the GPU check's machine would
 run it: ``python3`` first on ``PATH`` (this interpreter's), no vLLM
-(``tests/no_vllm_site``), torch without CUDA. Every step that needs no CUDA
+(``tests/torch_alone/no_vllm_site``), torch without CUDA. Every step that needs no CUDA
 must pass and the script must end with its own "no CUDA" status; a test file
 that imports vLLM unguarded must turn that into "could not start". The CUDA
 steps' verdict branches run with a STAND-IN for their results
-(``tests/gpu_check_stand_in.py``). Every run leaves at most the 8 files a GPU
+(``tests/torch_alone/gpu_check_stand_in.py``). Every run leaves at most the 8 files a GPU
 machine returns: ``summary.txt`` and one archive of the logs. And the Triton
 compiles the check pays for stay few."""
 
@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-NO_VLLM_SITE = ROOT / "tests" / "no_vllm_site"
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+NO_VLLM_SITE = HERE / "no_vllm_site"
 PASSED, FAILED, NOT_STARTED, NO_CUDA = 0, 1, 2, 3
 RETURNED_FILES = 8  # what a GPU machine run brings back, at most
-STAND_IN = ROOT / "tests" / "gpu_check_stand_in.py"
+STAND_IN = HERE / "gpu_check_stand_in.py"
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="a rehearsal for machines without CUDA"
@@ -127,24 +128,25 @@ def test_an_unguarded_vllm_import_makes_the_rehearsal_fail(tmp_path):
     for part in ("cg_extract", "compat", "perf", "tests"):
         shutil.copytree(ROOT / part, repo / part, ignore=skip)
     shutil.copy(ROOT / "pyproject.toml", repo)
-    (repo / "tests" / "test_unguarded.py").write_text(
+    # In a level's folder, as a new test would be: the check collects tests/ whole.
+    (repo / "tests" / "vllm_objects" / "test_unguarded.py").write_text(
         "import vllm\n\n\ndef test_nothing():\n    assert vllm\n"
     )
     done = run_check(repo, tmp_path / "out")
     log = done.stdout + done.stderr
     last = done.stdout.splitlines()[-1]
     assert last.startswith("gpu_check: could not start: tests/ does not collect"), log
-    assert "tests/test_unguarded.py" in last, log
+    assert "tests/vllm_objects/test_unguarded.py" in last, log
     assert done.returncode == NOT_STARTED, log
 
 
 def test_the_measured_kernel_is_among_the_dozen_the_kernel_tests_compile():
-    """What the check's Triton compiles cost (``tests/kernel_keys.py``): every
+    """What the check's Triton compiles cost (``tests/torch_alone/kernel_keys.py``): every
     case of the kernel's CUDA tests is one compile, no more, and every mode of
     the sweep launches one kernel, which those tests compile too."""
     pytest.importorskip("triton")
-    from tests import kernel_keys
-    from tests.test_write_kernel_cuda import CUDA_CASES
+    from tests.cuda.test_write_kernel_cuda import CUDA_CASES
+    from tests.torch_alone import kernel_keys
 
     tested = kernel_keys.KernelKeys()
     kernel_keys.kernel_test_launches(tested)

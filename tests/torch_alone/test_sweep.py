@@ -26,7 +26,7 @@ from perf.kernel_engine import KernelEngine
 from perf.measure import count_step, graph_steps_kept, interleaved_schedule
 from perf.nvml import NvmlSampler
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ISSUE_COLUMNS = [
     *("engine", "mode", "device", "num_tokens", "padded_tokens"),
     *("p50_us", "p90_us", "p99_us", "host_us", "tokens_per_s", "speedup_vs_upstream"),

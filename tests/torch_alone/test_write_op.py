@@ -1,7 +1,7 @@
 """torch.ops.cg_extract.write_hidden_states: its torch body against vLLM's
 ``basic_cache``, bad arguments, what a dispatch mode sees of it, the emulated
 graph contract through it, and its Triton kernel under Triton's interpreter
-(in a process of its own; on a GPU: ``tests/test_write_kernel_cuda.py``).
+(in a process of its own; on a GPU: ``tests/cuda/test_write_kernel_cuda.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tests.write_cases import (
     write_case,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 OP_NAME = "cg_extract.write_hidden_states.default"
 
 
@@ -412,14 +412,14 @@ def test_emulator_rejects_other_memory_through_the_op(which):
 
 
 def test_triton_kernel_under_the_interpreter():
-    """``tests/write_kernel_interpreted.py`` in its own process: the kernel is
+    """``tests/torch_alone/write_kernel_interpreted.py`` in its own process: the kernel is
     defined after ``TRITON_INTERPRET=1`` is set, and only there."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/write_kernel_interpreted.py"],
+         "tests/torch_alone/write_kernel_interpreted.py"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

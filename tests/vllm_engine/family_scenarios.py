@@ -1,14 +1,14 @@
 """Scenarios on each model family, one engine after another in one process.
 
-``python -m tests.family_scenarios WAY WORKDIR OUT_JSON FAMILY...`` (in the
+``python -m tests.vllm_engine.family_scenarios WAY WORKDIR OUT_JSON FAMILY...`` (in the
 environment of :func:`vllm_on_cpu.engine.engine_env`) writes each family's
 tiny config under ``WORKDIR/<family>/model``, starts ``LLM`` on it with the
 engine core in-process, runs that family's scenarios
-(:data:`FAMILY_SCENARIOS`, from :mod:`tests.generate_scenarios`), waits for
+(:data:`FAMILY_SCENARIOS`, from :mod:`tests.vllm_engine.generate_scenarios`), waits for
 the connector's files (under ``WORKDIR/<family>/<way>``), records what the
 engine built (its KV-cache groups: block size, page size, spec) and shuts
 the engine down before the next family. ``OUT_JSON`` holds, per family, the
-per-scenario results of :func:`tests.generate_scenarios.main` plus the groups,
+per-scenario results of :func:`tests.vllm_engine.generate_scenarios.main` plus the groups,
 or, for a family whose engine raised, ``{"error": ...}`` with vLLM's
 exception and the end of its traceback: the next family still runs, and the
 tests report the failure as that family's. The JSON
@@ -31,18 +31,18 @@ from typing import Any
 from vllm import LLM
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-from tests import residual_dtype_llama
-from tests.generate_scenarios import Run
 from tests.model_families import (
     FAMILIES,
     family_config,
     family_engine_args,
     write_family_dir,
 )
+from tests.vllm_engine import residual_dtype_llama
+from tests.vllm_engine.generate_scenarios import Run
 from vllm_on_cpu import target_graphs
 from vllm_on_cpu.engine import WAYS, EngineRun, engine_env, engine_kwargs
 
-# What each family runs (see tests/test_e2e_families.py for why). Decode
+# What each family runs (see tests/vllm_engine/test_e2e_families.py for why). Decode
 # comes first: the target-graphs way runs it alone, on a fresh engine, and
 # must get the same prompts (one seeded generator draws every scenario's).
 FAMILY_SCENARIOS = {
@@ -55,7 +55,7 @@ FAMILY_SCENARIOS = {
     "llama_bf16_aux": ["decode"],
     "llama_fp32_aux": ["decode"],
 }
-# The ways of this script: tests/test_e2e_families.py's three, and the
+# The ways of this script: tests/vllm_engine/test_e2e_families.py's three, and the
 # target's own graphs (vllm_on_cpu.target_graphs), which runs decode alone:
 # its steps are the ones the target's FULL graphs and our zero-copy ones
 # hold, and CI has two cores.

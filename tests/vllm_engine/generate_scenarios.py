@@ -1,6 +1,6 @@
 """The ``LLM.generate`` scenarios, run by one engine of one way, in its process.
 
-``python -m tests.generate_scenarios WAY MODEL_DIR STORAGE OUT_JSON`` (in the
+``python -m tests.vllm_engine.generate_scenarios WAY MODEL_DIR STORAGE OUT_JSON`` (in the
 environment of :func:`vllm_on_cpu.engine.engine_env`) starts ``LLM`` with its
 engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; TP workers are
 still processes of their own), runs the scenarios in turn, waits for
@@ -8,7 +8,7 @@ the connector's files, and writes to ``OUT_JSON``, per scenario, each
 request's prompt, generated tokens, finish reason, prefix-cache hits and saved
 file, with the evidence that the scenario did what it is named for (chunks,
 hits, preemptions, the abort) and the speculator's ``cudagraph_stats()``
-before and after it. ``tests/test_e2e_generate.py`` compares the ways.
+before and after it. ``tests/vllm_engine/test_e2e_generate.py`` compares the ways.
 
 Prompts are fixed token ids (seeded), so every way runs the same requests in
 the same order and the engine schedules them identically.
@@ -244,7 +244,7 @@ def short_prefill_then_decode(run: Run):
 
 
 def client_prompts(run: Run):
-    """The prompts ``tests/test_e2e_server.py`` sends through the server, one
+    """The prompts ``tests/vllm_engine/test_e2e_server.py`` sends through the server, one
     token each, as the users' client asks: the in-process reference."""
     return run.generate(server_prompts(), params(1, with_outputs=False)), {}
 
@@ -285,9 +285,9 @@ SCENARIOS: dict[str, Callable[[Run], tuple[list[dict[str, Any]], dict]]] = {
         short_prefill_then_decode,
     )
 }
-# What tests/test_e2e_generate.py runs: all but the server tests' references.
+# What tests/vllm_engine/test_e2e_generate.py runs: all but the server tests' references.
 GENERATE_SCENARIOS = list(SCENARIOS)[:6]
-# The target-graphs way's (tests/test_e2e_target_graphs.py): decode steps
+# The target-graphs way's (tests/vllm_engine/test_e2e_target_graphs.py): decode steps
 # under every mode, and small mixed steps for FULL_AND_PIECEWISE.
 TARGET_SCENARIOS = ["decode", "short_prefill_then_decode"]
 
@@ -299,12 +299,14 @@ def transfer_config(args: argparse.Namespace) -> dict[str, Any]:
     """``kv_transfer_config`` for the CPU-saving connector ``--connector``
     names (hs-connectors is imported only when asked for)."""
     if args.connector == "mooncake":
-        from tests import cpu_mooncake_hidden_states_connector as mooncake
+        from tests.vllm_engine import cpu_mooncake_hidden_states_connector as mooncake
 
         return mooncake.kv_transfer_config(args.mooncake_master)
     connector = CPUHiddenStatesConnector
     if args.connector == "fp8":
-        from tests.cpu_fp8_hidden_states_connector import CPUFP8HiddenStatesConnector
+        from tests.vllm_engine.cpu_fp8_hidden_states_connector import (
+            CPUFP8HiddenStatesConnector,
+        )
 
         connector = CPUFP8HiddenStatesConnector
     return kv_transfer_config(args.storage, connector)
@@ -372,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     collect = None
     if args.connector == "mooncake":
-        from tests.cpu_mooncake_hidden_states_connector import fetch_samples
+        from tests.vllm_engine.cpu_mooncake_hidden_states_connector import fetch_samples
 
         def collect(requests):
             fetch_samples(llm, requests, args.mooncake_master, args.storage)

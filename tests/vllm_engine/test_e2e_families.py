@@ -6,7 +6,7 @@ eagerly, ours with emulated graphs, and ours while the target captures and
 replays its own graphs (``target``, FULL_AND_PIECEWISE asked for; the fake
 graph API and graph-safe attention of :mod:`vllm_on_cpu.target_graphs`, test
 fixtures). One process a way runs every family in turn
-(:mod:`tests.family_scenarios`); the four start at once. For every family
+(:mod:`tests.vllm_engine.family_scenarios`); the four start at once. For every family
 and request: the same saved hidden states and token ids, byte for byte (read
 back with the connector's own reader), the same generated tokens and prefix
 hits; the graph run replayed in every family.
@@ -49,7 +49,7 @@ block size and cache view must follow.
   prefill (the recurrent state carried across chunks), prefix hits in mamba's
   "align" cache mode (fewer than the 96 shared tokens hit: the hidden states
   of the rest are recomputed and written).
-* **llama_bf16_aux**, **llama_fp32_aux** (tests/residual_dtype_llama.py):
+* **llama_bf16_aux**, **llama_fp32_aux** (tests/vllm_engine/residual_dtype_llama.py):
   a Llama whose layers emit their residual stream in another dtype than
   the engine's, so vLLM's own model code hands ``propose`` aux hidden states
   of that dtype: bfloat16 in a float32 engine; float32, with a bfloat16 one
@@ -79,7 +79,9 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import torch
 
-from tests.family_scenarios import (
+from tests.model_families import FAMILIES, family_config
+from tests.torch_alone.test_cache_size import SUMMARY
+from tests.vllm_engine.family_scenarios import (
     FAMILY_ENGINE,
     FAMILY_SCENARIOS,
     FAMILY_WAYS,
@@ -88,15 +90,13 @@ from tests.family_scenarios import (
     family_run,
     family_scenarios,
 )
-from tests.generate_scenarios import PREFIX
-from tests.model_families import FAMILIES, family_config
-from tests.real_engine import (
+from tests.vllm_engine.generate_scenarios import PREFIX
+from tests.vllm_engine.real_engine import (
     CACHE_SIZE_LINE,
     assert_runs_its_speculator,
     assert_same_request,
     require_cpu_engine,
 )
-from tests.test_cache_size import SUMMARY
 from vllm_on_cpu.engine import (
     AUX_LAYER_IDS,
     MAX_NUM_BATCHED_TOKENS,
@@ -374,7 +374,7 @@ def test_a_family_that_fails_is_reported_as_its_own(tmp_path):
     """The engine process records a family's exception and runs the next
     family; the tests of that family fail with the error, the others get
     their results (no engine here: ``run`` stands in for ``run_family``)."""
-    from tests.family_scenarios import run_families
+    from tests.vllm_engine.family_scenarios import run_families
 
     def run(way, family, workdir):
         if family == "qwen3_moe":
@@ -396,7 +396,7 @@ def test_a_family_that_fails_is_reported_as_its_own(tmp_path):
 
 
 # Families whose layers emit aux hidden states in another dtype than the
-# engine's (tests/residual_dtype_llama.py).
+# engine's (tests/vllm_engine/residual_dtype_llama.py).
 OTHER_DTYPE_AUX = [f for f, config in FAMILIES.items() if "residual_dtypes" in config]
 
 

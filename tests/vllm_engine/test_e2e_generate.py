@@ -1,7 +1,7 @@
 """``LLM.generate`` through vLLM's real MRv2 engine on a CPU, three ways.
 
 One engine per way, all started at once, each running every scenario of
-:mod:`tests.generate_scenarios` in turn: vLLM's own speculator (the plugin not
+:mod:`tests.vllm_engine.generate_scenarios` in turn: vLLM's own speculator (the plugin not
 loaded), ours eagerly, ours with emulated graphs (captured after the worker's
 start-up, as a GPU worker's ``capture_model`` would). Every scenario must
 leave, for every request, the same saved hidden states and token ids, byte
@@ -15,8 +15,12 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import torch
 
-from tests.generate_scenarios import GENERATE_SCENARIOS, PREFIX, scenario_run
-from tests.real_engine import (
+from tests.vllm_engine.generate_scenarios import (
+    GENERATE_SCENARIOS,
+    PREFIX,
+    scenario_run,
+)
+from tests.vllm_engine.real_engine import (
     assert_runs_its_speculator,
     assert_same_request,
     require_cpu_engine,

@@ -2,8 +2,8 @@
 ``FP8HiddenStatesConnector`` and ``MooncakeHiddenStatesConnector``, loaded
 with ``kv_connector_module_path`` as the ``speculators`` project loads them,
 with only their CUDA stream hand-off replaced for the CPU
-(:mod:`tests.cpu_fp8_hidden_states_connector`,
-:mod:`tests.cpu_mooncake_hidden_states_connector`).
+(:mod:`tests.vllm_engine.cpu_fp8_hidden_states_connector`,
+:mod:`tests.vllm_engine.cpu_mooncake_hidden_states_connector`).
 
 The three ways (vLLM's speculator, ours eager, ours with graphs) run the
 decode scenario with the FP8 connector, whose decode steps replay graphs,
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.cpu_mooncake_hidden_states_connector import mooncake_master
-from tests.generate_scenarios import scenario_run
 from tests.openai_server import free_ports
-from tests.real_engine import require_cpu_engine, run_engines
+from tests.vllm_engine.cpu_mooncake_hidden_states_connector import mooncake_master
+from tests.vllm_engine.generate_scenarios import scenario_run
+from tests.vllm_engine.real_engine import require_cpu_engine, run_engines
 from tests.write_cases import same_bytes
 from vllm_on_cpu.engine import AUX_LAYER_IDS, WAYS
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible server with the plugin and ``"cudagraph": true``,
-driven by the users' client (:mod:`tests.users_client`), against an
+driven by the users' client (:mod:`tests.vllm_engine.users_client`), against an
 in-process ``LLM.generate`` of the same prompts with vLLM's own speculator.
 
 The server is started as a user starts it, plus two test-only settings: our
@@ -16,10 +16,18 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import asyncio
 
-from tests.generate_scenarios import CLIENT_WAVES, scenario_run, short_prompts
 from tests.openai_server import request, serve
-from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
-from tests.users_client import fetch_all
+from tests.vllm_engine.generate_scenarios import (
+    CLIENT_WAVES,
+    scenario_run,
+    short_prompts,
+)
+from tests.vllm_engine.real_engine import (
+    assert_same_saves,
+    require_cpu_engine,
+    run_engines,
+)
+from tests.vllm_engine.users_client import fetch_all
 from vllm_on_cpu.engine import (
     CAPTURE_SIZES,
     engine_env,

@@ -28,8 +28,12 @@ import pytest
 
 pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
 
-from tests.generate_scenarios import TARGET_SCENARIOS, scenario_run
-from tests.real_engine import assert_same_saves, require_cpu_engine, run_engines
+from tests.vllm_engine.generate_scenarios import TARGET_SCENARIOS, scenario_run
+from tests.vllm_engine.real_engine import (
+    assert_same_saves,
+    require_cpu_engine,
+    run_engines,
+)
 from vllm_on_cpu import step_log
 from vllm_on_cpu.engine import (
     TARGET_BACKEND,

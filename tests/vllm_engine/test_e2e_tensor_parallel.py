@@ -27,8 +27,8 @@ import shutil
 
 import torch
 
-from tests.generate_scenarios import scenario_run
-from tests.real_engine import (
+from tests.vllm_engine.generate_scenarios import scenario_run
+from tests.vllm_engine.real_engine import (
     assert_same_saves,
     cache_size_lines,
     require_cpu_engine,

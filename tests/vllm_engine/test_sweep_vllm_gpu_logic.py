@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from perf import machine, sweep, vllm_engine
-from tests.test_sweep_vllm import FakeAsyncLLM, NoSampler
+from tests.vllm_engine.test_sweep_vllm import FakeAsyncLLM, NoSampler
 from vllm_on_cpu.engine import log_tail
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
 # --------------------------------------------------------------------------

@@ -29,8 +29,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.generate_scenarios import scenario_run
-from tests.real_engine import assert_same_request, require_cpu_engine, run_engines
+from tests.vllm_engine.generate_scenarios import scenario_run
+from tests.vllm_engine.real_engine import (
+    assert_same_request,
+    require_cpu_engine,
+    run_engines,
+)
 from vllm_on_cpu.engine import ROOT, SERIES, SERIES_DIR, SITE, cpu_env, load_saved
 
 pytestmark = pytest.mark.e2e

@@ -1,5 +1,5 @@
 """KV connectors for tests, loaded by vLLM through ``kv_connector_module_path``
-("tests.recording_connectors"), as users load the ``speculators`` project's.
+("tests.vllm_objects.recording_connectors"), as users load the ``speculators`` project's.
 
 Each records the worker-side calls it gets into :data:`CALLS`, with what a
 per-forward connector would read: the layer name, the KV cache tensor it is

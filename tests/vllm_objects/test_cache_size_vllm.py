@@ -19,7 +19,7 @@ from vllm.config import set_current_vllm_config
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from tests.test_cache_size import SUMMARY
+from tests.torch_alone.test_cache_size import SUMMARY
 from vllm_on_cpu.harness import build_vllm_config, kv_cache_config_of, load_speculator
 
 NUM_BLOCKS = 10

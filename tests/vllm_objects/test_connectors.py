@@ -6,7 +6,7 @@ The connectors are created as a GPU worker creates them
 worker's distributed setup), wrapped in MRv2's ``ActiveKVConnector``, which
 binds each step's metadata (built by the scheduler-side connector) before the
 forward and clears it after. Test connectors come from
-``kv_connector_module_path`` (tests/recording_connectors.py). The reference is
+``kv_connector_module_path`` (tests/vllm_objects/recording_connectors.py). The reference is
 vLLM's own eager speculator; graphs are emulated.
 """
 
@@ -24,8 +24,8 @@ from cg_extract import target_buffers
 from cg_extract.cudagraph_manager import CudaGraphManager
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from tests import recording_connectors
-from tests.recording_connectors import CALLS, HookFailed, HookInGraphWork
+from tests.vllm_objects import recording_connectors
+from tests.vllm_objects.recording_connectors import CALLS, HookFailed, HookInGraphWork
 from vllm_on_cpu.harness import (
     attach_target_graph_outputs,
     build_vllm_config,
@@ -36,7 +36,7 @@ from vllm_on_cpu.harness import (
     worker_connector,
 )
 
-MODULE = "tests.recording_connectors"
+MODULE = "tests.vllm_objects.recording_connectors"
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 GRAPH_KEYS = emulated_graph_keys(SIZES)
 HOOKS = ("wait_for_layer_load", "save_kv_layer")

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 EXAMPLE = REPO / "examples" / "extract_hidden_states.py"
 BASH_BLOCK = r"^```bash\n.*?^```"

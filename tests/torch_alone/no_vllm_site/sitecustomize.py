@@ -3,7 +3,7 @@
 Put this folder on ``PYTHONPATH`` and every Python process started with it
 (pytest's children included) finds no ``vllm``: ``import vllm`` raises
 ``ModuleNotFoundError`` and ``importlib.util.find_spec("vllm")`` is None, as
-where it is not installed. Used by ``tests/test_gpu_check.py`` to rehearse
+where it is not installed. Used by ``tests/torch_alone/test_gpu_check.py`` to rehearse
 ``perf/gpu_check.sh`` on a CPU.
 """
 
