@@ -12,7 +12,7 @@ align to far more than 16 bytes). What runs: the cases of
 ``tests/cuda/test_write_kernel_cuda.py``, the emulated twin of every other
 ``cuda``-marked test (same test, ``emulated`` for ``cuda`` in its id), and the
 ``kernel`` engine's modes at the settings of the two CUDA sweeps of
-``tests/torch_alone/test_sweep.py`` and of the check's own sweep. ``--compile`` compiles
+``tests/cuda/test_sweep_cuda.py`` and of the check's own sweep. ``--compile`` compiles
 each key once, into a fresh Triton cache, and times it.
 """
 
@@ -156,7 +156,7 @@ SOURCES = (
     "perf/gpu_check.sh's kernel sweep",
     "tests/cuda/test_write_kernel_cuda.py",
     "emulated twins of the other cuda tests",
-    "tests/torch_alone/test_sweep.py's cuda tests",
+    "tests/cuda/test_sweep_cuda.py",
 )
 
 
