@@ -3,7 +3,8 @@ its ```bash blocks is checked by what would run it, as far as a CPU machine
 allows, and the example it points at runs under vLLM's spawned engine (the
 ``__main__`` guard). Every relative link in the README, docs/,
 perf/README.md and upstream/README.md resolves, to a file and, with
-``#anchor``, to one of its headings."""
+``#anchor``, to one of its headings; every path under ``tests/`` they name
+exists (upstream/README.md's aside: it names vLLM's own tests/ too)."""
 
 import ast
 import contextlib
@@ -383,6 +384,35 @@ def broken_links(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: str(p.relative_to(REPO)))
 def test_the_links_resolve(path):
     assert broken_links(path) == []
+
+
+# A path under tests/ that a doc names, in a code span or not; a move of tests/
+# must take the docs along. upstream/README.md names vLLM's own tests/ too.
+TESTS_PATH = re.compile(r"(?<![\w/.-])tests/[\w./-]*")
+
+
+def missing_tests_paths(markdown: str) -> list[str]:
+    """The paths under this repository's ``tests/`` that ``markdown`` names
+    and that do not exist (a sentence's full stop is not part of a path)."""
+    named = (path.rstrip(".") for path in TESTS_PATH.findall(markdown))
+    return [path for path in named if not (REPO / path).exists()]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [path for path in MARKDOWN if path.parent.name != "upstream"],
+    ids=lambda p: str(p.relative_to(REPO)),
+)
+def test_the_tests_a_doc_names_exist(path):
+    assert missing_tests_paths(path.read_text()) == []
+
+
+def test_a_tests_path_that_is_gone_is_seen():
+    doc = (
+        "`tests/torch_alone/`, `pytest tests/cuda -q` and tests/conftest.py."
+        " Not `tests/test_gone.py`, nor tests/gone/ (vllm/tests/v1/x.py is vLLM's).\n"
+    )
+    assert missing_tests_paths(doc) == ["tests/test_gone.py", "tests/gone/"]
 
 
 def test_the_readme_has_links():
