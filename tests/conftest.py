@@ -13,6 +13,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def vllm_logging_level_kept():
+    """For tests that run ``perf/sweep.py``'s ``main`` in pytest's process:
+    it sets ``VLLM_LOGGING_LEVEL`` (ERROR) for the process it expects to own,
+    and the next vLLM config built here would apply it to every later test's
+    loggers (``cg_extract_log`` would read nothing). Given back after the test."""
+    import os
+
+    saved = os.environ.get("VLLM_LOGGING_LEVEL")
+    yield
+    if saved is None:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    else:
+        os.environ["VLLM_LOGGING_LEVEL"] = saved
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """A tiny Llama config.json: all vLLM needs with load_format='dummy'."""

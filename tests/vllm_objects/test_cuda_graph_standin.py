@@ -188,10 +188,17 @@ def test_host_syncs_are_refused_at_capture(sync):
 @pytest.fixture
 def world_of_one():
     """A gloo process group of this process alone: its collectives still
-    dispatch as ``c10d`` ops, as a DP rank's do."""
+    dispatch as ``c10d`` ops, as a DP rank's do. The one an earlier test's
+    vLLM objects made (``vllm_on_cpu.harness.single_process_parallel_state``,
+    kept for the process) where there is one."""
     import torch.distributed as dist
 
     from tests.openai_server import free_port
+
+    if dist.is_initialized():
+        assert (dist.get_world_size(), dist.get_backend()) == (1, "gloo")
+        yield dist
+        return
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
