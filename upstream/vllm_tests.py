@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,13 @@ def series_modules() -> set[str]:
     }
 
 
+# CPython 3.11 keeps the AST constructor's recursion depth in state shared
+# by threads: two threads parsing at once raise "SystemError: AST
+# constructor recursion depth mismatch" (cpython#106905), and the engine
+# test runs two trees at once.
+_PARSING = threading.Lock()
+
+
 def importers(tree: Path) -> list[str]:
     """Test files under :data:`NEIGHBOURS` that import a module the series
     changes (read with ``ast``)."""
@@ -91,7 +99,9 @@ def importers(tree: Path) -> list[str]:
     for folder in NEIGHBOURS:
         for path in sorted((tree / folder).glob("test_*.py")):
             names = set()
-            for node in ast.walk(ast.parse(path.read_text())):
+            with _PARSING:
+                module = ast.parse(path.read_text())
+            for node in ast.walk(module):
                 if isinstance(node, ast.Import):
                     names.update(alias.name for alias in node.names)
                 elif isinstance(node, ast.ImportFrom) and node.module:
