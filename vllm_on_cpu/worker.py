@@ -121,25 +121,20 @@ class CaptureCollectives(RankFile):
         import torch.distributed as dist
         import vllm.forward_context as forward_context
 
-        def count(module: Any, name: str, key: str, into: dict[str, int]) -> None:
+        def count(module: Any, name: str, into: dict[str, int]) -> None:
             original = getattr(module, name)
 
             def counted(*args: Any, **kwargs: Any) -> Any:
-                into[key] = into.get(key, 0) + 1
+                into[name] = into.get(name, 0) + 1
                 return original(*args, **kwargs)
 
             stack.callback(setattr, module, name, original)
             setattr(module, name, counted)
 
         with contextlib.ExitStack() as stack:
-            count(
-                forward_context,
-                "coordinate_batch_across_dp",
-                "coordinate_batch_across_dp",
-                self.counts,
-            )
+            count(forward_context, "coordinate_batch_across_dp", self.counts)
             for name in COLLECTIVES:
-                count(dist, name, name, self.counts["collectives"])
+                count(dist, name, self.counts["collectives"])
             yield
 
 

@@ -2,8 +2,9 @@
 in a scratch copy and run (the CI test of issue 33).
 
 * The series applies: to 0.32.0 with one hunk's context reduced (0001's
-  import hunk; the line above it differs in 0.32), and, where the 0.33.0
-  wheel is at hand, to 0.33.0 with full context (``--strict``).
+  import hunk; the line above it differs in 0.32), and to 0.33.0, its source
+  distribution fetched (:mod:`compat.vllm_release`), with full context
+  (``--strict``).
 * The patches' own tests (vLLM's test layout, ``tests/v1/spec_decode``) pass
   on the patched copy.
 * vLLM's real MRv2 engine on a CPU runs the patched copy with the plugin not
@@ -31,6 +32,7 @@ pytest.importorskip("vllm")
 
 from tests.vllm_engine.generate_scenarios import scenario_run
 from tests.vllm_engine.real_engine import (
+    UPSTREAM,
     assert_same_request,
     require_cpu_engine,
     run_engines,
@@ -45,7 +47,6 @@ import vllm_tests  # noqa: E402
 
 from compat import vllm_release  # noqa: E402
 
-UPSTREAM = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
 # What the 0.32 copy needs and nothing more: any other drift fails here.
 REDUCED_ON_032 = [
     "0001-Spec-Decode-Cache-only-attention-builder-supports-al.patch: "
