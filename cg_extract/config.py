@@ -120,14 +120,6 @@ class ExtractGraphConfig:
             )
         if not self.cudagraph:
             _graph_keys_without_graphs(sources)
-            return
-        pp = vllm_config.parallel_config.pipeline_parallel_size
-        if pp > 1:
-            raise ValueError(
-                f"'cudagraph': true with method '{METHOD}' does not support "
-                f"pipeline parallelism (pipeline_parallel_size={pp}); use "
-                "pipeline_parallel_size=1"
-            )
 
 
 KEYS = tuple(ExtractGraphConfig.__dataclass_fields__)

@@ -77,10 +77,13 @@ def register() -> None:
     if not is_tested_vllm(build, vllm.__version__):
         _step_aside(f"{build} {vllm.__version__}")
         return
-    _ConfigGate.install(_build_with_our_keys, names_our_keys)
+    _ConfigGate.install(_build_with_our_keys, _ours_to_build)
     _install_speculator()
     _publish_target_graph_outputs()
-    _report_cache_size_after_allocation()
+    _tell_speculator_of_each_kv_cache()
+    from cg_extract import pipeline_parallel
+
+    pipeline_parallel.install()
 
 
 def _tested() -> str:
@@ -168,6 +171,19 @@ def names_our_keys(engine_args: Any) -> bool:
         gives_our_keys(engine_args)
         or any(near_our_section(key) or key in KEYS for key in additional)
         or (method == METHOD and any(looks_like_ours(key) for key in spec))
+    )
+
+
+def _ours_to_build(engine_args: Any) -> bool:
+    """Engine args whose config the plugin checks when it is built: those
+    that name our keys, and extraction across pipeline stages, which the
+    plugin makes possible (:mod:`cg_extract.pipeline_parallel`)."""
+    from cg_extract.config import METHOD
+
+    spec = engine_args.speculative_config or {}
+    method = spec.get("method") or engine_args.spec_method
+    return names_our_keys(engine_args) or (
+        method == METHOD and engine_args.pipeline_parallel_size > 1
     )
 
 
@@ -289,12 +305,14 @@ def _move_our_keys(engine_args: Any) -> dict[str, str]:
 def _validate(vllm_config: Any, sources: dict[str, str]) -> None:
     import torch
 
+    from cg_extract import pipeline_parallel
     from cg_extract.config import ExtractGraphConfig
 
     graph_config = ExtractGraphConfig.from_vllm_config(vllm_config)
     graph_config.validate_for(
         vllm_config, cuda_available=torch.cuda.is_available(), sources=sources
     )
+    pipeline_parallel.check_config(vllm_config)
     if graph_config.cudagraph and not vllm_config.use_v2_model_runner:
         logger.warning(
             "'cudagraph': true has no effect here: this engine will run vLLM's "
@@ -341,7 +359,7 @@ def _publish_target_graph_outputs() -> None:
     ModelCudaGraphManager.capture = capture
 
 
-def _report_cache_size_after_allocation() -> None:
+def _tell_speculator_of_each_kv_cache() -> None:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from cg_extract.speculator import ExtractHiddenStatesSpeculator
@@ -360,8 +378,8 @@ def _report_cache_size_after_allocation() -> None:
     ) -> None:
         original(self, kv_cache_config, is_profiling, *args, **kwargs)
         speculator = getattr(self, "speculator", None)
-        if not is_profiling and isinstance(speculator, ExtractHiddenStatesSpeculator):
-            speculator.report_cache_size()
+        if isinstance(speculator, ExtractHiddenStatesSpeculator):
+            speculator.kv_cache_initialized(is_profiling)
 
     initialize_kv_cache._cg_extract = True  # type: ignore[attr-defined]
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache

@@ -214,6 +214,8 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.plugins import load_general_plugins
 import vllm.v1.worker.gpu.spec_decode.extract_hidden_states as upstream
 from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+from vllm.model_executor.models.registry import _ModelRegistry
+from vllm.v1.worker.gpu import model_runner
 warnings = []
 logging.getLogger("vllm.cg_extract.plugin").addFilter(
     lambda r: warnings.append(r.getMessage()) or True)
@@ -229,11 +231,14 @@ def own(cls, name):
 def build_method():
     args = EngineArgs(**common, speculative_config=dict(spec))
     return args.create_engine_config.__func__
-before = (upstream.ExtractHiddenStatesSpeculator,
-          own(ModelCudaGraphManager, "capture"), build_method())
+def hooked():
+    return (upstream.ExtractHiddenStatesSpeculator,
+            own(ModelCudaGraphManager, "capture"), build_method(),
+            own(_ModelRegistry, "is_pp_supported_model"),
+            model_runner.get_kv_connector)
+before = hooked()
 load_general_plugins()
-after = (upstream.ExtractHiddenStatesSpeculator,
-         own(ModelCudaGraphManager, "capture"), build_method())
+after = hooked()
 gate = type(own(EngineArgs, "create_engine_config")).__name__
 cfg = EngineArgs(**common, speculative_config=dict(spec)).create_engine_config()
 refusals = []
@@ -256,7 +261,8 @@ print(json.dumps(dict(
 def test_an_untested_vllm_runs_as_without_the_plugin(model_dir):
     """On a vLLM we have not tested, loading plugins swaps and wraps nothing
     a user without our keys runs (the speculator class, the target's capture,
-    and the method their config is built with are vLLM's own objects; the
+    the method their config is built with, and the two that pipeline
+    parallelism changes are vLLM's own objects; the
     class's ``create_engine_config`` entry is our gate, a descriptor that
     hands those users vLLM's method itself), a config without our keys
     builds, one warning says why, and only configs that give our keys are
@@ -266,7 +272,7 @@ def test_an_untested_vllm_runs_as_without_the_plugin(model_dir):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["unchanged"] == [True, True, True]
+    assert result["unchanged"] == [True] * 5
     assert result["gate"] == "_ConfigGate"
     assert result["method"] == "extract_hidden_states"
     (warning,) = result["warnings"]

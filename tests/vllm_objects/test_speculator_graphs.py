@@ -313,13 +313,3 @@ def test_default_sizes_follow_the_target(model_dir):
         56,
         64,
     )
-
-
-def test_pipeline_parallel_is_refused(model_dir):
-    cfg = build_vllm_config(model_dir, **GRAPH_KEYS)
-    cfg.parallel_config.pipeline_parallel_size = 2
-    with pytest.raises(
-        ValueError,
-        match=r"does not support pipeline parallelism \(pipeline_parallel_size=2\)",
-    ):
-        load_speculator(ExtractHiddenStatesSpeculator, cfg)
