@@ -56,9 +56,10 @@ class ExtractCacheBackend(CacheOnlyAttentionBackend):
         return ExtractCacheMetadataBuilder
 
 
-def report_graph_support(layer: CacheOnlyAttentionLayer) -> None:
+def report_graph_support(layer: CacheOnlyAttentionLayer, warn: bool = True) -> None:
     """Give our draft layer the backend that does not constrain the runner's
-    graph mode. Call before the runner builds its attention groups."""
+    graph mode. Call before the runner builds its attention groups; ``warn``
+    on the rank that logs for the speculator."""
     if not isinstance(layer, CacheOnlyAttentionLayer):
         raise TypeError(
             f"extract_hidden_states expects its draft layer to be vLLM's "
@@ -67,11 +68,14 @@ def report_graph_support(layer: CacheOnlyAttentionLayer) -> None:
     if layer.attn_backend is not CacheOnlyAttentionBackend:
         # Another plugin or a newer vLLM chose this layer's backend; keep it
         # (and its graph support) rather than guess at its semantics.
-        logger.warning_once(
-            "extract_hidden_states: the draft layer's attention backend is %s, "
-            "not vLLM's CacheOnlyAttentionBackend; its CUDA graph support is "
-            "left as it reports it, which may lower the runner's graph mode.",
-            layer.attn_backend.__name__,
-        )
+        if warn:
+            logger.warning_once(
+                "extract_hidden_states: the draft layer's attention backend is "
+                "%s, not vLLM's CacheOnlyAttentionBackend; its CUDA graph "
+                "support is left as it reports it, which may lower the "
+                "runner's graph mode.",
+                layer.attn_backend.__name__,
+                scope="process",
+            )
         return
     layer.attn_backend = ExtractCacheBackend

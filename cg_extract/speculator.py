@@ -105,6 +105,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         self.cudagraph_manager: SpeculatorGraphs | None = None
         self.counts = {"zero_copy": 0, "copy_in": 0, "eager": 0}
         self._cache_size_reported = False
+        self._profiling = False  # see kv_cache_initialized
 
     @property
     def graphs(self) -> WriteGraphs | None:
@@ -134,7 +135,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         self.cache_layer = forward_context[self.layer_name]
         # Before the runner builds its attention groups, so the draft layer
         # does not lower the target's graph mode (see cache_backend).
-        report_graph_support(self.cache_layer)
+        report_graph_support(self.cache_layer, warn=_speaks(self.vllm_config))
         if self.cache_layer.kv_cache_torch_dtype != self.dtype:
             raise ValueError(
                 f"the hidden-state cache is {self.cache_layer.kv_cache_torch_dtype} "
@@ -189,14 +190,29 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             is_padding=is_padding,
         )
 
+    def _info_once(self, msg: str, *args: Any) -> None:
+        """Once per process, from the rank that speaks for the speculator
+        (vLLM's default scope, each node's first rank, holds none of it
+        with pipeline parallelism)."""
+        if _speaks(self.vllm_config):
+            logger.info_once(msg, *args, scope="process")
+
     # ------------------------------------------------------------------
     # The hidden-state cache's size
 
+    def kv_cache_initialized(self, is_profiling: bool) -> None:
+        """The runner initialised a KV cache: the memory profiler's
+        (``is_profiling``), against which vLLM captures graphs, measures and
+        drops them, or the real one. The plugin calls this; only the real
+        one's cache size and capture are logged."""
+        self._profiling = is_profiling
+        if not is_profiling:
+            self.report_cache_size()
+
     def report_cache_size(self) -> None:
-        """Log the hidden-state cache's size, once per engine, on its first
-        rank. The plugin calls this when the runner's real KV cache has been
-        allocated (not the memory profiler's)."""
-        if self._cache_size_reported or not _first_rank(self.vllm_config):
+        """Log the hidden-state cache's size, once per engine, from the rank
+        that speaks for the speculator."""
+        if self._cache_size_reported or not _speaks(self.vllm_config):
             return
         self._cache_size_reported = True
         try:
@@ -269,7 +285,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             self.cudagraph_manager = None
         backend, reason = self._graph_backend(cudagraph_mode)
         if backend is None:
-            logger.info_once("extract_hidden_states runs eagerly: %s.", reason)
+            self._info_once("extract_hidden_states runs eagerly: %s.", reason)
             return
         self.cudagraph_manager = SpeculatorGraphs(
             self.vllm_config,
@@ -328,10 +344,10 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         manager = self.cudagraph_manager
         if manager is None:
             return
-        first_rank = _first_rank(self.vllm_config)
+        speaks = _speaks(self.vllm_config) and not self._profiling
         persistent, zero_copy_sizes = self._persistent_inputs()
-        graphs = manager.capture(persistent, zero_copy_sizes, progress=first_rank)
-        if first_rank:
+        graphs = manager.capture(persistent, zero_copy_sizes, progress=speaks)
+        if speaks:
             logger.info(
                 "extract_hidden_states: captured %s graphs for %s tokens "
                 "(zero-copy for %s) in %.2f s: static buffers %.1f MiB, "
@@ -377,7 +393,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
                 "copied in"
             )
         if why is not None:
-            logger.info_once("extract_hidden_states: no zero-copy graphs: %s.", why)
+            self._info_once("extract_hidden_states: no zero-copy graphs: %s.", why)
             return None, []
         groups = self.kv_cache_config.kv_cache_groups
         (group,) = [i for i, g in enumerate(groups) if self.layer_name in g.layer_names]
@@ -388,7 +404,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         # should one not, that size takes the copy-in path.
         sizes = [s for s in target.full_sizes if s <= persistent.rows]
         if len(sizes) < len(target.full_sizes):
-            logger.info_once(
+            self._info_once(
                 "extract_hidden_states: no zero-copy graphs for the target's FULL "
                 "sizes above its %d buffer rows: %s.",
                 persistent.rows,
@@ -494,16 +510,28 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         return graphs.padded_size(num_tokens) if graphs is not None else None
 
 
-def _first_rank(vllm_config: VllmConfig) -> bool:
-    """DP rank 0's TP (and PP) rank 0. The world's first rank is not enough:
-    vLLM runs a dense model's DP ranks as independent engines, each its own
-    world of DP rank 0 (``reconfigure_for_independent_dp_rank``); only
-    ``data_parallel_index`` keeps the rank it was given."""
-    from vllm.distributed.parallel_state import is_global_first_rank
-
-    return (
-        vllm_config.parallel_config.data_parallel_index == 0 and is_global_first_rank()
+def _speaks(vllm_config: VllmConfig) -> bool:
+    """Whether this rank logs for the speculator: the first rank of the last
+    pipeline stage (the stage that holds the speculator) of DP index 0. vLLM's
+    first rank is not enough: with pipeline parallelism it holds no
+    speculator, and vLLM runs a dense model's DP ranks as independent
+    engines, each its own world of DP rank 0
+    (``reconfigure_for_independent_dp_rank``); only ``data_parallel_index``
+    keeps the rank it was given."""
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        get_world_group,
+        is_global_first_rank,
+        model_parallel_is_initialized,
     )
+
+    if vllm_config.parallel_config.data_parallel_index != 0:
+        return False
+    if not model_parallel_is_initialized():
+        return is_global_first_rank()
+    # The pipeline that starts at the world's first rank, at its last stage.
+    pp = get_pp_group()
+    return pp.is_last_rank and pp.ranks[0] == get_world_group().ranks[0]
 
 
 def _page_setter(spec: Any, others: list[tuple[int, Any]]) -> PageSetter | None:
