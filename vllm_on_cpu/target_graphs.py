@@ -13,6 +13,13 @@ undoes exactly those, in this process, for the engine way that asks
   :mod:`vllm_on_cpu.graph_attention`): the platform hands out that fixture's
   backend instead, for the default (non-MLA) attention.
 
+And one CPU-only assert: vLLM's ``graph_capture`` enters every parallel
+group's ``GroupCoordinator.graph_capture``, which asserts a CUDA or XPU
+communicator (``distributed/parallel_state.py``) for a group of more than one
+rank (DP, PP). For a CPU communicator it does here what vLLM does for a CUDA
+communicator without a custom all-reduce: the capture runs on the context's
+stream.
+
 The graph API itself is :mod:`vllm_on_cpu.cuda_graph`'s fake; where our
 speculator asks for the ``cuda`` backend (:data:`vllm_on_cpu.engine.TARGET_BACKEND`),
 this process's ``torch.cuda`` also says CUDA is there
@@ -23,8 +30,10 @@ this process's ``torch.cuda`` also says CUDA is there
 
 from __future__ import annotations
 
+import contextlib
 import os
 
+import torch
 from vllm.logger import init_logger
 
 from vllm_on_cpu import cuda_graph
@@ -76,8 +85,30 @@ def enable() -> None:
         return graph_attention.PATH if path == cpu_attn else path
 
     CpuPlatform.get_attn_backend_cls = classmethod(graph_attention_backend)
+    _graph_capture_on_cpu()
     logger.info(
         "vllm_on_cpu: target CUDA graphs on CPU (a test fixture: fake graph "
         "API, graph-safe attention)"
     )
     _enabled = True
+
+
+def _graph_capture_on_cpu() -> None:
+    from vllm.distributed.device_communicators.cpu_communicator import (
+        CpuCommunicator,
+    )
+    from vllm.distributed.parallel_state import GraphCaptureContext, GroupCoordinator
+
+    vllms = GroupCoordinator.graph_capture
+
+    @contextlib.contextmanager
+    def graph_capture(self, graph_capture_context=None):
+        if not isinstance(self.device_communicator, CpuCommunicator):
+            with vllms(self, graph_capture_context) as context:
+                yield context
+            return
+        context = graph_capture_context or GraphCaptureContext(torch.cuda.Stream())
+        with torch.cuda.stream(context.stream):
+            yield context
+
+    GroupCoordinator.graph_capture = graph_capture

@@ -43,6 +43,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.workspace import init_workspace_manager, use_workspace_lane
 
 from vllm_on_cpu import data_parallel, target_graphs
+from vllm_on_cpu.engine import install_pp_stand_ins
 from vllm_on_cpu.engine_probe import EngineProbe
 from vllm_on_cpu.step_log import RankFile, StepLog
 
@@ -145,6 +146,7 @@ class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
     def __init__(self, *args: Any, **kwargs: Any):
         if target_graphs.asked():  # TP workers: a process of their own
             target_graphs.enable()
+        install_pp_stand_ins()
         vllm_config = kwargs.get("vllm_config") or args[0]
         if vllm_config.parallel_config.data_parallel_size > 1:
             # An MoE model's DP ranks gather and scatter their tokens.

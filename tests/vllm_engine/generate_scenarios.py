@@ -35,6 +35,7 @@ from vllm_on_cpu.engine import (
     EngineRun,
     engine_env,
     engine_kwargs,
+    install_pp_stand_ins,
     lock_is_free,
 )
 from vllm_on_cpu.hidden_states_connector import (
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         "--scenarios", nargs="+", choices=SCENARIOS, default=GENERATE_SCENARIOS
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument(
         "--caches", type=Path, help="torch.save each rank's hidden-state cache here"
@@ -362,12 +364,14 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_on_cpu import target_graphs
 
         target_graphs.enable()  # before the config is built
+    install_pp_stand_ins()
     llm = LLM(
         **engine_kwargs(
             args.way,
             args.model_dir,
             args.storage,
             tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             load_format=args.load_format,
             kv_transfer_config=transfer_config(args),
         )

@@ -28,6 +28,17 @@ chooses its kernels:
   ``_C_AVX512``, which has none of the AMX ops (``convert_weight_packed``)
   that ``check_cpu_sgl_kernel`` would pick on an AMX machine. It claims less
   than the CPU has, so whatever vLLM then picks runs.
+
+And a STAND-IN for what a GPU keeps, for pipeline parallelism
+(tests/vllm_engine/test_e2e_pipeline_parallel.py):
+
+* ``VLLM_ON_CPU_ASYNC_SCHEDULING=1``: ``CpuPlatform.check_and_update_config``
+  leaves async scheduling as vLLM's config resolved it (on for
+  ``extract_hidden_states``, as on a GPU) instead of turning it off. With it
+  off, PP's batch queue schedules a step of the placeholder draft token alone
+  and MRv2 asserts (``num_scheduled_tokens_np >= num_logits``). Installed when
+  ``vllm.platforms.cpu`` is imported, in every process that builds a config
+  (the API server and a headless node among them).
 """
 
 import contextlib
@@ -81,6 +92,48 @@ def _fake_detection() -> None:
 
 
 _fake_detection()
+
+
+def _keep_async_scheduling(module) -> None:
+    platform = module.CpuPlatform
+    check = platform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        scheduler_config = vllm_config.scheduler_config
+        resolved = scheduler_config.async_scheduling
+        check(cls, vllm_config)
+        scheduler_config.async_scheduling = resolved
+
+    platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _after_import(name: str, patch) -> None:
+    """Run ``patch(module)`` once ``name`` has been imported (a meta path
+    finder that wraps that one module's loader)."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            execute = spec.loader.exec_module
+
+            def exec_module(module):
+                execute(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+if os.environ.get("VLLM_ON_CPU_ASYNC_SCHEDULING") == "1":
+    _after_import("vllm.platforms.cpu", _keep_async_scheduling)
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # Without Triton there is nothing to stand in for: vLLM runs without it

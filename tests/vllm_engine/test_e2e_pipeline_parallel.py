@@ -1,0 +1,213 @@
+"""Extraction across pipeline stages and across two vLLM nodes, byte-identical
+to one stage.
+
+With pipeline parallelism only the last stage builds the speculator and holds
+the hidden-state layer; the aux hidden states of the earlier stages' layers
+reach it in the intermediate tensors (:mod:`cg_extract.pipeline_parallel`).
+The tiny Llama's four layers split two and two, and its aux layers are 1, 2
+and 3: layer 1's states come from the first stage, layer 2's from the
+boundary (the second stage's first layer reads what the first stage sent),
+layer 3's from the second stage.
+
+One module fixture starts, at once, a one-stage reference (vLLM's own
+speculator) and three engines at ``pipeline_parallel_size=2``: vLLM's own
+speculator, with STAND-INS for what vLLM 0.32/0.33 refuse (the plugin's two
+pipeline changes alone, :data:`vllm_on_cpu.engine.PP_STAND_INS`); ours
+eagerly; ours with the target's own graphs (``FULL_AND_PIECEWISE``, the fake
+graph API of :mod:`vllm_on_cpu.target_graphs`). And two vLLM nodes as vLLM
+runs pipeline parallelism across machines (``--nnodes 2``): node 0's OpenAI
+server with the first stage, a headless node 1 with the second, ours with
+(emulated) graphs, driven by the users' client. Every engine across stages
+keeps async scheduling on, as a GPU does (a STAND-IN on a CPU, see
+:func:`vllm_on_cpu.engine.pipeline_env`).
+"""
+
+import pytest
+
+pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
+
+import asyncio
+import contextlib
+
+from tests.openai_server import free_port, request, serve
+from tests.vllm_engine.generate_scenarios import (
+    CLIENT_WAVES,
+    TARGET_SCENARIOS,
+    scenario_run,
+)
+from tests.vllm_engine.real_engine import (
+    UPSTREAM,
+    assert_same_request,
+    assert_same_saves,
+    cache_size_lines,
+    require_cpu_engine,
+    run_engines,
+)
+from tests.vllm_engine.users_client import fetch_all
+from vllm_on_cpu import step_log
+from vllm_on_cpu.engine import (
+    EngineRun,
+    cli_args,
+    engine_env,
+    engine_kwargs,
+    load_saved,
+    pipeline_env,
+    stop,
+)
+
+pytestmark = pytest.mark.e2e
+
+PP = 2
+WAYS = ("vllm", "eager", "target")
+OURS = "cg_extract.speculator.ExtractHiddenStatesSpeculator"
+CAPTURE_LINE = "extract_hidden_states: captured "
+
+
+@contextlib.contextmanager
+def two_nodes(model_dir, workdir):
+    """Node 1 headless (``vllm serve --headless``, through
+    :mod:`vllm_on_cpu.cli`), node 0 the OpenAI server; yields node 0's URL."""
+    kwargs = engine_kwargs(
+        "graphs", model_dir, workdir / "served", pipeline_parallel_size=PP
+    )
+    env = engine_env("graphs", VLLM_SERVER_DEV_MODE="1", **pipeline_env("graphs"))
+    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1"]
+    nodes += ["--master-port", str(free_port())]
+    node1 = EngineRun(
+        ["-m", "vllm_on_cpu.cli", "serve", *cli_args(kwargs), *nodes]
+        + ["--node-rank", "1", "--headless"],
+        env,
+        workdir / "node1.log",
+    ).start()
+    try:
+        with serve(
+            kwargs, env, workdir / "node0.log", extra_args=(*nodes, "--node-rank", "0")
+        ) as base_url:
+            yield base_url
+    finally:
+        stop(node1)
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+    require_cpu_engine()
+    workdir = tmp_path_factory.mktemp("e2e_pp")
+    reference = scenario_run(
+        "pp1_vllm",
+        "vllm",
+        model_dir,
+        workdir,
+        "--scenarios",
+        *TARGET_SCENARIOS,
+        *CLIENT_WAVES,
+    )
+    staged = {
+        way: scenario_run(
+            f"pp{PP}_{way}",
+            way,
+            model_dir,
+            workdir,
+            "--scenarios",
+            *TARGET_SCENARIOS,
+            "--pipeline-parallel-size",
+            str(PP),
+            **pipeline_env(way),
+            **({step_log.STEP_LOG: str(workdir / "steps")} if way == "target" else {}),
+        )
+        for way in WAYS
+    }
+    with two_nodes(model_dir, workdir) as base_url:
+        run_engines([reference.engine, *(r.engine for r in staged.values())], 600)
+        served = {
+            wave: asyncio.run(fetch_all(base_url, str(model_dir), prompts()))
+            for wave, prompts in CLIENT_WAVES.items()
+        }
+        _, rpc = request(f"{base_url}/collective_rpc", {"method": "speculator_stats"})
+    return {
+        "reference": reference.results(),
+        "staged": {way: run.results() for way, run in staged.items()},
+        "served": served,
+        "served_stats": rpc["results"],
+        "workdir": workdir,
+    }
+
+
+@pytest.mark.parametrize("scenario", TARGET_SCENARIOS)
+@pytest.mark.parametrize("way", WAYS)
+def test_each_way_across_stages_saves_the_one_stage_bytes(runs, way, scenario):
+    want = runs["reference"][scenario]["requests"]
+    got = runs["staged"][way][scenario]["requests"]
+    assert len(got) == len(want) > 0
+    for i, (ours, theirs) in enumerate(zip(got, want, strict=True)):
+        assert ours["prompt"] == theirs["prompt"]
+        assert_same_request(
+            ours, theirs, load_saved(theirs["path"]), f"{way}, {scenario}, request {i}"
+        )
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_only_the_last_stage_holds_the_speculator(runs, way):
+    first, last = runs["staged"][way][TARGET_SCENARIOS[-1]]["stats_after"]
+    assert first is None
+    assert last["class"] == (
+        f"{UPSTREAM}.ExtractHiddenStatesSpeculator" if way == "vllm" else OURS
+    )
+
+
+def test_the_targets_graphs_and_ours_replayed_on_the_last_stage(runs):
+    """From the last stage's step log: the target replayed FULL graphs, ours
+    replayed zero-copy after them and copy-in on the small mixed steps, and
+    every step took the path due (:func:`step_log.zero_copy_violations`)."""
+    (name, steps), *others = step_log.read(runs["workdir"] / "steps").items()
+    assert not others and name == f"dp0_tp{PP - 1}", name
+    after = runs["staged"]["target"][TARGET_SCENARIOS[-1]]["stats_after"][-1]
+    assert after["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    paths = [path for step in steps for path in step["paths"]]
+    assert paths.count("zero_copy") > 0, paths
+    assert paths.count("copy_in") > 0, paths
+    assert sum(step["target"] == "FULL" for step in steps) > 0
+    full_sizes = after["target_graphs"]["full_sizes"]
+    assert step_log.zero_copy_violations(steps, full_sizes, "FULL_AND_PIECEWISE") == []
+
+
+@pytest.mark.parametrize("way", ["eager", "target"])
+def test_the_last_stage_logs_our_lines_once(runs, way):
+    """The stage that holds the speculator logs the hidden-state cache's size
+    and (with graphs) the capture, once: vLLM's first rank holds no
+    speculator, and the memory profiler's capture is not logged."""
+    log = runs["workdir"] / f"pp{PP}_{way}.log"
+    (line,) = cache_size_lines(log)
+    assert f"Worker_PP{PP - 1}" in line, line
+    captures = [
+        line
+        for line in log.read_text(errors="replace").splitlines()
+        if CAPTURE_LINE in line
+    ]
+    assert len(captures) == (way == "target"), captures
+    assert all(f"Worker_PP{PP - 1}" in line for line in captures), captures
+
+
+@pytest.mark.parametrize("wave", CLIENT_WAVES)
+def test_two_nodes_serve_the_one_node_bytes(runs, wave):
+    prompts = CLIENT_WAVES[wave]()
+    want = runs["reference"][wave]["requests"]
+    got = runs["served"][wave]
+    assert len(got) == len(want) == len(prompts)
+    for i, ((_, saved), theirs) in enumerate(zip(got, want, strict=True)):
+        assert saved["token_ids"].tolist() == prompts[i] == theirs["prompt"]
+        assert_same_saves(saved, load_saved(theirs["path"]), f"{wave}, prompt {i}")
+
+
+def test_the_headless_node_ran_our_graphs(runs):
+    """Node 1 holds the last stage: the plugin loaded there, captured, and
+    replayed (read through node 0's ``/collective_rpc``, which reaches every
+    worker of both nodes)."""
+    first, last = runs["served_stats"]
+    assert first is None
+    assert last["class"] == OURS
+    assert last["stats"]["copy_in_replays"] > 0
+    node1 = (runs["workdir"] / "node1.log").read_text(errors="replace").splitlines()
+    (capture,) = [line for line in node1 if CAPTURE_LINE in line]
+    assert f"Worker_PP{PP - 1}" in capture, capture
+    node0 = (runs["workdir"] / "node0.log").read_text(errors="replace")
+    assert CAPTURE_LINE not in node0
