@@ -64,6 +64,15 @@ def mirror(vllm: Path, out: Path) -> None:
     )
 
 
+def own_copy(path: Path) -> None:
+    """Make ``path`` a file of its own (not a symlink or a hard link to the
+    installed or unpacked vLLM), so that patching it changes nothing else."""
+    if path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1):
+        data = path.read_bytes()
+        path.unlink()
+        path.write_bytes(data)
+
+
 def git_apply(patch: Path, out: Path, *options: str) -> subprocess.CompletedProcess:
     # Outside any repository, so that git applies every path as given.
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(out.parent)}
@@ -105,11 +114,7 @@ def apply_series(
     notes = []
     for patch in patches():
         for path in touched(patch):
-            target = out / path
-            if target.is_symlink():  # patch a copy, never the installed file
-                real = target.resolve()
-                target.unlink()
-                shutil.copyfile(real, target)
+            own_copy(out / path)  # patch a copy, never the installed file
         done = git_apply(patch, out)
         if done.returncode != 0 and not strict:
             done = git_apply(patch, out, "-C2")
