@@ -14,8 +14,11 @@ in a scratch copy and run (the CI test of issue 33).
   saved file byte-identical, the same tokens, the same runner graph mode,
   the same graph sizes, scenario by scenario a replay wherever the plugin
   replays (the series has one graph set, over the runner's slot row, where
-  the plugin has copy-in and zero-copy graphs; zero-copy is a follow-up,
-  ``upstream/followups/``), and the target's replays unchanged.
+  the plugin has copy-in and zero-copy graphs; the series' zero-copy patch
+  was removed, ``upstream/followups/README.md``), and the target's replays
+  unchanged.
+* 0002's graphs-on end-to-end test, vLLM's own style, in vLLM's test tree on
+  the CPU graph stand-in (:mod:`vllm_on_cpu.graph_engine_stand_in`).
 """
 
 from __future__ import annotations
