@@ -12,7 +12,10 @@ fetches a release's). Put ``OUT`` first on ``PYTHONPATH`` to import the
 patched vLLM, and run the tests from ``OUT`` (upstream/README.md says how).
 
 Patches are applied in order with ``git apply``: full context, hunks may move
-(offsets), never fuzz. ``--strict`` stops there; it is the check that the
+(offsets), never fuzz. What they change outside the checkout's folders
+(``.buildkite/``, vLLM's CI config, where ``OUT`` mirrors a package) is left
+out; ``upstream/precommit.py`` applies the whole series to a release's whole
+source tree. ``--strict`` stops there; it is the check that the
 series applies to the vLLM it was made against (0.33.0)::
 
     python upstream/apply_series.py --strict ~/.cache/cg_extract/vllm-0.33.0/vllm /tmp/series-033
@@ -64,6 +67,15 @@ def mirror(vllm: Path, out: Path) -> None:
     )
 
 
+def own_copy(path: Path) -> None:
+    """Make ``path`` a file of its own (not a symlink or a hard link to the
+    installed or unpacked vLLM), so that patching it changes nothing else."""
+    if path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1):
+        data = path.read_bytes()
+        path.unlink()
+        path.write_bytes(data)
+
+
 def git_apply(patch: Path, out: Path, *options: str) -> subprocess.CompletedProcess:
     # Outside any repository, so that git applies every path as given.
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(out.parent)}
@@ -96,23 +108,29 @@ def checkout(vllm: Path, out: Path, tests_from: Path | None = None) -> None:
 
 
 def apply_series(
-    vllm: Path, out: Path, strict: bool, tests_from: Path | None = None
+    vllm: Path,
+    out: Path,
+    strict: bool,
+    tests_from: Path | None = None,
+    series: list[Path] | None = None,
 ) -> list[str]:
-    """:func:`checkout`, then apply every patch; return what was said about
-    reduced context. Raises RuntimeError naming the patch that does not
-    apply."""
+    """:func:`checkout`, then apply every patch (``series``, by default this
+    folder's); return what was said about reduced context. Raises
+    RuntimeError naming the patch that does not apply."""
     checkout(vllm, out, tests_from)
     notes = []
-    for patch in patches():
+    for patch in patches() if series is None else series:
+        # Paths under a folder the checkout lacks (vLLM's CI config,
+        # .buildkite/, in a package's checkout) are left out.
+        left_out = []
         for path in touched(patch):
-            target = out / path
-            if target.is_symlink():  # patch a copy, never the installed file
-                real = target.resolve()
-                target.unlink()
-                shutil.copyfile(real, target)
-        done = git_apply(patch, out)
+            if not (out / path.split("/")[0]).exists():
+                left_out += ["--exclude", path]
+                continue
+            own_copy(out / path)  # patch a copy, never the installed file
+        done = git_apply(patch, out, *left_out)
         if done.returncode != 0 and not strict:
-            done = git_apply(patch, out, "-C2")
+            done = git_apply(patch, out, "-C2", *left_out)
             notes += [
                 f"{patch.name}: {line}"
                 for line in done.stderr.splitlines()

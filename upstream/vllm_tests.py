@@ -3,8 +3,10 @@ vLLM's own test tree, under its root conftest (autouse fixtures active).
 
     python upstream/apply_series.py VLLM OUT --tests SOURCE_TREE
     python upstream/vllm_tests.py OUT [pytest options...]
+    python upstream/vllm_tests.py OUT --engine [pytest options...]
 
-``OUT`` is a vLLM checkout: ``apply_series.py --tests`` makes one with the
+``--engine`` runs the series' engine tests instead (:data:`ENGINE_TESTS`,
+on the CPU graph stand-in). ``OUT`` is a vLLM checkout: ``apply_series.py --tests`` makes one with the
 series, ``apply_series.py --no-patches --tests`` one without. Run it where
 ``OUT``'s vLLM imports (its folder first on ``PYTHONPATH``), with vLLM's test
 extras and ``tblib`` installed. Hub models the selected tests name are given
@@ -39,6 +41,15 @@ EXISTING = [
     "tests/test_config.py",
 ]
 KEYWORDS = "extract_hidden_states or v2_model_runner"
+# The series' engine tests: vLLM's real engine with CUDA graphs on. Here they
+# run on the CPU graph stand-in (a test fixture, a pytest plugin of this
+# checkout), in a pytest run of their own (:func:`run_engine_tests`); the
+# selection leaves them out.
+ENGINE_TESTS = [
+    "tests/v1/kv_connector/extract_hidden_states_integration/"
+    "test_extraction_cudagraph.py"
+]
+STAND_IN = "vllm_on_cpu.graph_engine_stand_in"
 # Folders of tests that import the modules the series touches.
 NEIGHBOURS = ("tests/v1/spec_decode", "tests/v1/worker")
 # The architecture (config.json) of each hub model the selection names.
@@ -72,6 +83,11 @@ def series_tests() -> list[str]:
         for path in apply_series.touched(patch)
         if path.startswith("tests/")
     )
+
+
+def series_unit_tests() -> list[str]:
+    """The test files the patches add, but the engine tests."""
+    return [path for path in series_tests() if path not in ENGINE_TESTS]
 
 
 def series_modules() -> set[str]:
@@ -114,7 +130,7 @@ def importers(tree: Path) -> list[str]:
 
 def selection(tree: Path) -> list[str]:
     """The test files to run in ``tree`` (the series' own where it has them)."""
-    files = [f for f in series_tests() if (tree / f).is_file()]
+    files = [f for f in series_unit_tests() if (tree / f).is_file()]
     return files + sorted(set(EXISTING) | set(importers(tree)) - set(files))
 
 
@@ -123,6 +139,21 @@ def run(
 ) -> subprocess.CompletedProcess:
     """pytest on :func:`selection` from ``tree`` (``kwargs`` to
     ``subprocess.run``); returns the finished process."""
+    return _pytest(tree, [*selection(tree), "-k", KEYWORDS, *pytest_args], env, kwargs)
+
+
+def run_engine_tests(
+    tree: Path, *pytest_args: str, env: dict[str, str] | None = None, **kwargs: Any
+) -> subprocess.CompletedProcess:
+    """pytest on :data:`ENGINE_TESTS` from ``tree``, on the CPU graph
+    stand-in (:data:`STAND_IN`, which must import: this checkout on
+    ``PYTHONPATH`` after the tree)."""
+    return _pytest(tree, ["-p", STAND_IN, *ENGINE_TESTS, *pytest_args], env, kwargs)
+
+
+def _pytest(
+    tree: Path, args: list[str], env: dict[str, str] | None, kwargs: dict[str, Any]
+) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as models:
         redirect = {}
         for name, config in OFFLINE_MODELS.items():
@@ -136,13 +167,14 @@ def run(
             "HF_HUB_OFFLINE": "1",
             "VLLM_MODEL_REDIRECT_PATH": str(Path(models) / "redirect.json"),
         }
-        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
-        command += [*selection(tree), "-k", KEYWORDS, *pytest_args]
+        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
         return subprocess.run(command, cwd=tree, env=env, text=True, **kwargs)
 
 
 if __name__ == "__main__":
     tree, *args = sys.argv[1:] or [""]
     if not tree:
-        sys.exit("usage: python upstream/vllm_tests.py OUT [pytest options...]")
+        sys.exit("usage: python upstream/vllm_tests.py OUT [--engine] [pytest options]")
+    if args[:1] == ["--engine"]:
+        sys.exit(run_engine_tests(Path(tree), *args[1:]).returncode)
     sys.exit(run(Path(tree), *args).returncode)

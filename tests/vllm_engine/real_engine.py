@@ -3,6 +3,8 @@ engine cannot run, an engine failure as a test failure, saved files compared."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from tests.write_cases import same_bytes
-from vllm_on_cpu.engine import CAPTURE_SIZES, EngineFailed, EngineRun
+from vllm_on_cpu.engine import CAPTURE_SIZES, ROOT, EngineFailed, EngineRun
 from vllm_on_cpu.engine import run_engines as run_engine_processes
 
 
@@ -54,6 +56,53 @@ def assert_same_request(
 
 
 UPSTREAM = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
+
+# PLANTED BUGS, for showing what the tests of upstream/'s series catch: where
+# CG_EXTRACT_SERIES_PLANTED_BUG names one, the series is applied with that
+# line of 0002 changed, in the scratch copy the test makes.
+SERIES_PLANTED_BUG = "CG_EXTRACT_SERIES_PLANTED_BUG"
+SERIES_PLANTS = {
+    # the series without its DP fix: a capture hands no ranks' token counts
+    "no_dp_token_counts": (
+        "+                if manager.dp_size > 1\n",
+        "+                if False  # PLANTED BUG: no DP token counts\n",
+    ),
+    # the speculator never replays its graphs
+    "eager_speculator": (
+        "+        if self.cudagraph_manager is None or is_profile:\n",
+        "+        if True:  # PLANTED BUG: the speculator always eager\n",
+    ),
+}
+
+
+def series_patches(workdir: Path) -> list[Path]:
+    """upstream/'s patches, or copies of them in ``workdir`` with the bug
+    :data:`SERIES_PLANTED_BUG` names planted in 0002."""
+    sys.path.insert(0, str(ROOT / "upstream"))
+    import apply_series
+
+    patches = apply_series.patches()
+    planted = os.environ.get(SERIES_PLANTED_BUG)
+    if planted is None:
+        return patches
+    if planted not in SERIES_PLANTS:
+        raise ValueError(
+            f"{SERIES_PLANTED_BUG} must be one of {sorted(SERIES_PLANTS)}, "
+            f"got {planted!r}"
+        )
+    line, bug = SERIES_PLANTS[planted]
+    (workdir / "planted").mkdir()
+    copies = []
+    for patch in patches:
+        text = patch.read_text()
+        if patch.name.startswith("0002-"):
+            assert text.count(line) == 1, f"0002 no longer has {line!r}"
+            text = text.replace(line, bug)
+        copies.append(workdir / "planted" / patch.name)
+        copies[-1].write_text(text)
+    return copies
+
+
 OURS = "cg_extract.speculator"
 
 

