@@ -361,7 +361,9 @@ def _report_cache_size_after_allocation() -> None:
         original(self, kv_cache_config, is_profiling, *args, **kwargs)
         speculator = getattr(self, "speculator", None)
         if not is_profiling and isinstance(speculator, ExtractHiddenStatesSpeculator):
-            speculator.report_cache_size()
+            # The specs the engine core grouped: the capacity without
+            # extraction is vLLM's layout of them less the speculator's.
+            speculator.report_cache_size(self.get_kv_cache_spec)
 
     initialize_kv_cache._cg_extract = True  # type: ignore[attr-defined]
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache
