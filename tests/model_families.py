@@ -196,6 +196,20 @@ HIDDEN = "HiddenStateCacheSpec"
 ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
+def reported_groups(scheduler_kv_cache_config) -> list[dict[str, Any]]:
+    """KV-cache groups as the scheduler holds them (one layer's spec a
+    group): spec, layers, block size, page."""
+    return [
+        {
+            "spec": type(group.kv_cache_spec).__name__,
+            "layers": len(group.layer_names),
+            "block_size": group.kv_cache_spec.block_size,
+            "page_size_bytes": group.kv_cache_spec.page_size_bytes,
+        }
+        for group in scheduler_kv_cache_config.kv_cache_groups
+    ]
+
+
 def kv_page(config: dict, dtype_bytes: int, block_size: int) -> int:
     """One target attention layer's page: K and V of each KV head, or MLA's
     one latent row (kv_lora_rank + qk_rope_head_dim) a token."""
@@ -207,8 +221,8 @@ def kv_page(config: dict, dtype_bytes: int, block_size: int) -> int:
 
 
 def expected_bill(family: str, groups: list[dict], num_blocks: int) -> dict[str, int]:
-    """The bill line's figures: ``groups`` as the scheduler reports them
-    (spec, layers, block size, page: one layer's), in ``num_blocks`` blocks.
+    """The bill line's figures: ``groups`` as :func:`reported_groups` gives
+    them, in ``num_blocks`` blocks.
     A group of its own is billed a whole pool block, as wide as the widest
     group, for each of its blocks; in the target's one group, its page."""
     config = family_config(family)

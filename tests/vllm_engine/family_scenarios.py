@@ -35,6 +35,7 @@ from tests.model_families import (
     FAMILIES,
     family_config,
     family_engine_args,
+    reported_groups,
     write_family_dir,
 )
 from tests.vllm_engine import residual_dtype_llama
@@ -79,16 +80,9 @@ FAMILY_ENGINE: dict[str, dict[str, Any]] = {
 
 def kv_cache_groups(llm) -> list[dict[str, Any]]:
     """The engine's KV-cache groups as the scheduler holds them."""
-    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
-    return [
-        {
-            "spec": type(group.kv_cache_spec).__name__,
-            "layers": len(group.layer_names),
-            "block_size": group.kv_cache_spec.block_size,
-            "page_size_bytes": group.kv_cache_spec.page_size_bytes,
-        }
-        for group in config.kv_cache_groups
-    ]
+    return reported_groups(
+        llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    )
 
 
 def kv_cache_bill(llm) -> dict[str, Any]:

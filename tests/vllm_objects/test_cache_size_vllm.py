@@ -36,6 +36,7 @@ from tests.model_families import (
     FAMILY_ENGINE_ARGS,
     expected_bill,
     family_config,
+    reported_groups,
     write_family_dir,
 )
 from tests.torch_alone.test_cache_size import CAPACITY, SUMMARY, WARNING, figures
@@ -270,20 +271,6 @@ def family_layouts(request, tmp_path_factory):
     return family, with_it, without
 
 
-def scheduler_groups(kv_cache_config) -> list[dict]:
-    """The groups as the scheduler reports them (one layer's spec a group)."""
-    config = generate_scheduler_kv_cache_config([kv_cache_config])
-    return [
-        {
-            "spec": type(g.kv_cache_spec).__name__,
-            "layers": len(g.layer_names),
-            "block_size": g.kv_cache_spec.block_size,
-            "page_size_bytes": g.kv_cache_spec.page_size_bytes,
-        }
-        for g in config.kv_cache_groups
-    ]
-
-
 def test_every_family_is_billed_what_vllms_config_charges(
     family_layouts, cg_extract_log
 ):
@@ -296,7 +283,8 @@ def test_every_family_is_billed_what_vllms_config_charges(
     with_it.speculator._cache_size_reported = False
     with_it.speculator.report_cache_size(lambda: with_it.specs)
     got = reported(cg_extract_log)
-    want = expected_bill(family, scheduler_groups(config), config.num_blocks)
+    groups = reported_groups(generate_scheduler_kv_cache_config([config]))
+    want = expected_bill(family, groups, config.num_blocks)
     assert {k: got[k] for k in want} == want, family
     (name,) = with_it.speculator.draft_attn_layer_names
     (group,) = [g for g in config.kv_cache_groups if name in g.layer_names]
