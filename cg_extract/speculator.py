@@ -218,8 +218,10 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         self._cache_size_reported = True
         try:
             size = self.cache_size(self.kv_cache_config)
-        except ValueError as why:
-            logger.warning("extract_hidden_states: cache size not reported: %s", why)
+        except Exception as why:  # a layout this reading does not know
+            logger.warning(
+                "extract_hidden_states: cache size not reported: %s", _reason(why)
+            )
             return
         logger.info(size.summary())
         if size.bill_more_than_doubles:
@@ -230,9 +232,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             capacity = self.kv_capacity(self.kv_cache_config, kv_cache_specs())
         except Exception as why:  # vLLM's own functions, on specs it never saw
             logger.warning(
-                "extract_hidden_states: KV capacity not reported: %s: %s",
-                type(why).__name__,
-                why,
+                "extract_hidden_states: KV capacity not reported: %s", _reason(why)
             )
             return
         logger.info(capacity.summary())
@@ -601,6 +601,13 @@ def _page_setter(spec: Any, others: list[tuple[int, Any]]) -> PageSetter | None:
         if g.kv_cache_spec.page_size_bytes == page
     ]
     return max(candidates, key=lambda s: s.page_bytes, default=None)
+
+
+def _reason(error: Exception) -> str:
+    """Our own refusals say why; anything else also says what it was."""
+    if isinstance(error, ValueError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 def _layer_spec(group: Any, name: str) -> Any:

@@ -204,8 +204,8 @@ def test_reports_that_cannot_be_made_are_warnings_never_errors(loaded, cg_extrac
     """A KV-cache config whose hidden-state pages cannot hold what the
     speculator writes (here: the layer's spec planted with half the hidden
     size), one that holds no hidden-state layer (another stage's, say), and
-    specs vLLM cannot lay out: each names what it lacks, and the engine goes
-    on."""
+    specs vLLM cannot lay out, and no config at all: each names what it
+    lacks, and the engine goes on."""
     cfg = loaded.vllm_config
     layer = cfg.compilation_config.static_forward_context[loaded.layer_name]
     small = layer.get_kv_cache_spec(cfg).__class__(
@@ -222,7 +222,10 @@ def test_reports_that_cannot_be_made_are_warnings_never_errors(loaded, cg_extrac
     loaded.speculator._cache_size_reported = False
     engine_core_config(loaded, attention(cfg, num_layers=4))
     loaded.speculator.report_cache_size(lambda: {"model.layers.0": object()})
-    small_page, no_layer, billed, no_capacity = cg_extract_log
+    loaded.speculator._cache_size_reported = False
+    loaded.speculator.kv_cache_config = None  # what no vLLM hands a runner
+    loaded.speculator.report_cache_size()
+    small_page, no_layer, billed, no_capacity, no_config = cg_extract_log
     assert small_page.startswith("extract_hidden_states: cache size not reported:")
     assert "page_bytes 24576 is less than the 49152 bytes of states" in small_page
     assert no_layer == (
@@ -232,6 +235,9 @@ def test_reports_that_cannot_be_made_are_warnings_never_errors(loaded, cg_extrac
     )
     assert "billed" in billed
     assert no_capacity.startswith("extract_hidden_states: KV capacity not reported: ")
+    assert no_config.startswith(
+        "extract_hidden_states: cache size not reported: AttributeError: "
+    )
 
 
 # --------------------------------------------------------------------------
