@@ -379,7 +379,9 @@ def _tell_speculator_of_each_kv_cache() -> None:
         original(self, kv_cache_config, is_profiling, *args, **kwargs)
         speculator = getattr(self, "speculator", None)
         if isinstance(speculator, ExtractHiddenStatesSpeculator):
-            speculator.kv_cache_initialized(is_profiling)
+            # The specs the engine core grouped: the capacity without
+            # extraction is vLLM's layout of them less the speculator's.
+            speculator.kv_cache_initialized(is_profiling, self.get_kv_cache_spec)
 
     initialize_kv_cache._cg_extract = True  # type: ignore[attr-defined]
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache

@@ -40,6 +40,17 @@ PATCHED = [
         "ExtractHiddenStatesSpeculator",
     ),
 ]
+# Names the plugin imports on one release only, each in a ``try`` whose
+# ``except ImportError`` imports the other release's: where vLLM moved or
+# changed a function between the tested releases. Each is MISSING in the
+# other release's file, and present in its own.
+RELEASE_ONLY = {
+    # 0.33 moved KV-cache planning out of kv_cache_utils and makes the
+    # groups before get_kv_cache_configs, which takes them (issue 45).
+    ("vllm.v1.core.kv_cache_planning", "get_global_kv_cache_groups"): "0.33.0",
+    ("vllm.v1.core.kv_cache_planning", "get_kv_cache_configs"): "0.33.0",
+    ("vllm.v1.core.kv_cache_utils", "get_kv_cache_configs"): "0.32.0",
+}
 MISSING = "MISSING"
 # A method of ours in a class derived from vLLM's that no vLLM class in its
 # bases defines: it overrides nothing (today).

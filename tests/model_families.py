@@ -185,3 +185,75 @@ def write_family_dir(path: Path, family: str) -> Path:
     partial.write_text(json.dumps(family_config(family), indent=1))
     os.replace(partial, path / "config.json")
     return path
+
+
+# What the hidden-state cache's line must say, from a family's config alone
+# (with the block sizes and block count vLLM chose): the objects level and
+# the engine level check the plugin's line against it.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+NUM_AUX_LAYERS = 3  # vllm_on_cpu.engine.AUX_LAYER_IDS: 1, 2, 3
+HIDDEN = "HiddenStateCacheSpec"
+ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def reported_groups(scheduler_kv_cache_config) -> list[dict[str, Any]]:
+    """KV-cache groups as the scheduler holds them (one layer's spec a
+    group): spec, layers, block size, page."""
+    return [
+        {
+            "spec": type(group.kv_cache_spec).__name__,
+            "layers": len(group.layer_names),
+            "block_size": group.kv_cache_spec.block_size,
+            "page_size_bytes": group.kv_cache_spec.page_size_bytes,
+        }
+        for group in scheduler_kv_cache_config.kv_cache_groups
+    ]
+
+
+def kv_page(config: dict, dtype_bytes: int, block_size: int) -> int:
+    """One target attention layer's page: K and V of each KV head, or MLA's
+    one latent row (kv_lora_rank + qk_rope_head_dim) a token."""
+    if "kv_lora_rank" in config:
+        row = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    else:
+        row = 2 * config["num_key_value_heads"] * config["head_dim"]
+    return row * dtype_bytes * block_size
+
+
+def expected_bill(family: str, groups: list[dict], num_blocks: int) -> dict[str, int]:
+    """The bill line's figures: ``groups`` as :func:`reported_groups` gives
+    them, in ``num_blocks`` blocks.
+    A group of its own is billed a whole pool block, as wide as the widest
+    group, for each of its blocks; in the target's one group, its page."""
+    config = family_config(family)
+    dtype_bytes = DTYPE_BYTES[config["torch_dtype"]]
+    hidden = [g for g in groups if g["spec"] == HIDDEN]
+    block = (hidden or groups)[0]["block_size"]
+    states = NUM_AUX_LAYERS * config["hidden_size"] * dtype_bytes * block
+    (attention_block,) = {
+        g["block_size"] for g in groups if g["spec"] in ATTENTION_SPECS
+    }
+    target_page = kv_page(config, dtype_bytes, attention_block)
+    # The scheduler reports a group by one layer's spec: the attention page.
+    assert all(g["page_size_bytes"] == target_page for g in groups), groups
+    if hidden:
+        page = target_page
+        pool_block = max(g["layers"] for g in groups) * page
+        billed = pool_block
+    else:
+        page = states
+        pool_block = config["num_hidden_layers"] * target_page + states
+        billed = page
+    return {
+        "bill": billed * num_blocks,
+        "kv_cache": pool_block * num_blocks,
+        "tokens": block * num_blocks,
+        "blocks": num_blocks,
+        "block_size": block,
+        "block_bill": billed,
+        "states": states,
+        "waste": (billed - states) * num_blocks,
+        "padding": (page - states) * num_blocks,
+        "pool_width": (billed - page) * num_blocks,
+        "page": page,
+    }

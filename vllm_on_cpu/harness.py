@@ -194,6 +194,60 @@ def kv_cache_config_of(vllm_config, specs: dict[str, Any], num_blocks: int):
         cache_config.num_gpu_blocks_override = None
 
 
+@dataclass
+class KVLayout:
+    """A target's KV cache as an engine core lays it out, built in-process:
+    its config, every layer's ``KVCacheSpec`` (what the workers hand the
+    engine core), vLLM's ``KVCacheConfig`` for them, and the speculator
+    built beside the target (None with no speculative config)."""
+
+    vllm_config: Any
+    specs: dict[str, Any]
+    kv_cache_config: Any
+    speculator: Any
+
+
+def kv_layout(engine_args: dict[str, Any], speculator_cls: type | None) -> KVLayout:
+    """``engine_args``'s target built as a worker builds it (dummy weights),
+    and, given a speculative config, a ``speculator_cls`` beside it; then
+    what the engine core does with their KV-cache specs: the block size the
+    backends and a hybrid model's Mamba page want
+    (``update_block_size_for_backend``, after the model loads), the layout,
+    and vLLM's ``get_kv_cache_configs`` on the budget
+    ``kv_cache_memory_bytes`` gives (or ``num_gpu_blocks_override``)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+    from vllm.platforms import current_platform
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+
+    vllm_config = EngineArgs(**engine_args).create_engine_config()
+    cpu = torch.device("cpu")
+    speculator = None
+    with set_current_vllm_config(vllm_config), _cpu_safe_model_loading(cpu):
+        # A world of one for this model: an MoE model's has an EP group.
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        single_process_parallel_state()
+        get_model(vllm_config=vllm_config)
+        if vllm_config.speculative_config is not None:
+            speculator = speculator_cls(vllm_config, cpu)
+            speculator.load_model(None)
+        current_platform.update_block_size_for_backend(vllm_config)
+        specs = get_kv_cache_spec(vllm_config)
+        resolve_layout(vllm_config, specs)
+        budget = vllm_config.cache_config.kv_cache_memory_bytes or 0
+        (config,) = get_kv_cache_configs(vllm_config, [specs], [budget])
+    if speculator is not None:
+        speculator.kv_cache_config = config
+    return KVLayout(vllm_config, specs, config, speculator)
+
+
 def single_process_parallel_state() -> None:
     """A world of one, as every worker has: vLLM's ``CudaGraphManager`` (the
     base of our graphs' lifecycle shell) asks for the pipeline group, and

@@ -35,6 +35,7 @@ from tests.model_families import (
     FAMILIES,
     family_config,
     family_engine_args,
+    reported_groups,
     write_family_dir,
 )
 from tests.vllm_engine import residual_dtype_llama
@@ -61,6 +62,10 @@ FAMILY_SCENARIOS = {
 # hold, and CI has two cores.
 FAMILY_WAYS = (*WAYS, "target")
 TARGET_FAMILY_SCENARIOS = ["decode"]
+# Families whose target the vLLM way also starts alone, with no speculative
+# config (the capacity ours reports "with no speculative config" must be
+# that engine's): the two whose hidden-state layer has a group of its own.
+TARGET_ALONE = ("gpt_oss", "qwen3_next")
 # Engine keywords a family needs beyond vllm_on_cpu.engine.engine_kwargs'.
 FAMILY_ENGINE: dict[str, dict[str, Any]] = {
     # Its two attention groups set the common page; the hidden-state group's
@@ -75,16 +80,38 @@ FAMILY_ENGINE: dict[str, dict[str, Any]] = {
 
 def kv_cache_groups(llm) -> list[dict[str, Any]]:
     """The engine's KV-cache groups as the scheduler holds them."""
-    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
-    return [
-        {
-            "spec": type(group.kv_cache_spec).__name__,
-            "layers": len(group.layer_names),
-            "block_size": group.kv_cache_spec.block_size,
-            "page_size_bytes": group.kv_cache_spec.page_size_bytes,
-        }
-        for group in config.kv_cache_groups
-    ]
+    return reported_groups(
+        llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    )
+
+
+def kv_cache_bill(llm) -> dict[str, Any]:
+    """What vLLM's own KV-cache config charges the hidden-state layer (the
+    runner's config: its group, page, pool block) and the capacity the
+    engine core computed and logged (``kv_cache_size_tokens``); the
+    capacity alone for an engine without a speculator."""
+    engine_core = llm.llm_engine.engine_core.engine_core
+    runner = engine_core.model_executor.driver_worker.worker.model_runner
+    cache = runner.vllm_config.cache_config
+    got = {
+        "tokens": cache.kv_cache_size_tokens,
+        "concurrency": cache.kv_cache_max_concurrency,
+    }
+    if getattr(runner, "speculator", None) is None:
+        return got
+    config = runner.kv_cache_config
+    (name,) = runner.speculator.draft_attn_layer_names
+    (group,) = [g for g in config.kv_cache_groups if name in g.layer_names]
+    (tensor,) = [t for t in config.kv_cache_tensors if name in t.layers]
+    spec = group.kv_cache_spec
+    spec = getattr(spec, "kv_cache_specs", {name: spec})[name]
+    return {
+        **got,
+        "num_blocks": config.num_blocks,
+        "pool_block": tensor.size // config.num_blocks,
+        "own_group": group.layer_names == [name],
+        "page": spec.page_size_bytes,
+    }
 
 
 def attention_cg_support(llm) -> list[dict[str, str]]:
@@ -126,17 +153,40 @@ def family_llm_kwargs(way: str, family: str, workdir: Path) -> dict[str, Any]:
 def run_family(way: str, family: str, workdir: Path) -> dict[str, Any]:
     if way == "target":
         target_graphs.enable()  # before the config is built
-    kwargs = family_llm_kwargs(way, family, workdir)
     storage = workdir / family / way
-    llm = None
-    try:
-        llm = LLM(**kwargs)
+
+    def run(llm) -> dict[str, Any]:
         results = Run(llm, storage).run_scenarios(family_scenarios(way, family))
         return {
             "kv_cache_groups": kv_cache_groups(llm),
             "attention_cg_support": attention_cg_support(llm),
+            "kv_cache_bill": kv_cache_bill(llm),
             **results,
         }
+
+    results = with_engine(family_llm_kwargs(way, family, workdir), run)
+    if way == "vllm" and family in TARGET_ALONE:
+        results["target_alone"] = target_alone(family, workdir)
+    return results
+
+
+def target_alone(family: str, workdir: Path) -> dict[str, Any]:
+    """``family`` with no speculative config and no connector, on the same
+    budget: the capacity vLLM gives it (started, not run)."""
+    kwargs = family_llm_kwargs("vllm", family, workdir)
+    del kwargs["speculative_config"], kwargs["kv_transfer_config"]
+    return with_engine(
+        kwargs,
+        lambda llm: {"kv_cache_groups": kv_cache_groups(llm), **kv_cache_bill(llm)},
+    )
+
+
+def with_engine(kwargs: dict[str, Any], use) -> dict[str, Any]:
+    """``use(LLM(**kwargs))``, the engine shut down and freed after it."""
+    llm = None
+    try:
+        llm = LLM(**kwargs)
+        return use(llm)
     finally:
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

@@ -121,13 +121,14 @@ def assert_runs_its_speculator(way: str, after: Mapping, what: str) -> None:
         assert after["stats"]["captured_sizes"] == captured, what
 
 
-# The line our speculator logs once an engine's KV cache exists
-# (ExtractHiddenStatesSpeculator.report_cache_size).
-CACHE_SIZE_LINE = "extract_hidden_states: hidden-state cache"
+# The lines our speculator logs once an engine's KV cache exists
+# (ExtractHiddenStatesSpeculator.report_cache_size): the bill, the capacity.
+CACHE_SIZE_LINE = "extract_hidden_states: hidden-state cache billed"
+CAPACITY_LINE = "extract_hidden_states: the target's KV capacity"
 
 
-def cache_size_lines(log: Path) -> list[str]:
-    """The hidden-state cache size lines in an engine's log, every process
-    of the engine (workers, DP engine cores) writing to it."""
+def cache_size_lines(log: Path, kind: str = CACHE_SIZE_LINE) -> list[str]:
+    """The hidden-state cache's bill lines (or ``kind``'s) in an engine's
+    log, every process of the engine (workers, DP engine cores) writing to it."""
     text = log.read_text(errors="replace")
-    return [line for line in text.splitlines() if CACHE_SIZE_LINE in line]
+    return [line for line in text.splitlines() if kind in line]

@@ -79,12 +79,13 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import torch
 
-from tests.model_families import FAMILIES, family_config
-from tests.torch_alone.test_cache_size import SUMMARY
+from tests.model_families import FAMILIES, HIDDEN, expected_bill, family_config
+from tests.torch_alone.test_cache_size import CAPACITY, SUMMARY, WARNING, figures
 from tests.vllm_engine.family_scenarios import (
     FAMILY_ENGINE,
     FAMILY_SCENARIOS,
     FAMILY_WAYS,
+    TARGET_ALONE,
     TARGET_FAMILY_SCENARIOS,
     family_dtype,
     family_run,
@@ -93,6 +94,7 @@ from tests.vllm_engine.family_scenarios import (
 from tests.vllm_engine.generate_scenarios import PREFIX
 from tests.vllm_engine.real_engine import (
     CACHE_SIZE_LINE,
+    CAPACITY_LINE,
     assert_runs_its_speculator,
     assert_same_request,
     require_cpu_engine,
@@ -108,8 +110,6 @@ from vllm_on_cpu.engine import (
 )
 
 pytestmark = pytest.mark.e2e
-
-HIDDEN = "HiddenStateCacheSpec"
 
 # The groups vLLM lays out for each family, (spec, layers, block size):
 # what the docstring says each family exercises, checked on every way.
@@ -452,103 +452,73 @@ def test_the_targets_graphs_with_aux_of_another_dtype(all_results, family):
     same_as_vllms(got, want, f"{family}, {scenario}, target graphs against vLLM's")
 
 
-# The hidden-state cache's size line (ExtractHiddenStatesSpeculator.
-# report_cache_size), in each way's log: every family's engine, one after
-# another, each starting with vLLM's engine core naming its model folder.
+# What extraction costs, as each engine of ours logs it
+# (ExtractHiddenStatesSpeculator.report_cache_size): every family's engine in
+# a way's log, one after another, each starting with vLLM's engine core
+# naming its model folder (the vLLM way's log also has the target alone's).
 ENGINE_START = re.compile(r"Initializing a V1 LLM engine .*? model='[^']*/(\w+)/model'")
-PADDING_WARNING = "page padding more than doubles"
 
 
-def cache_size_lines(log) -> dict[str, list[str]]:
-    """Each family's size lines, by the engine that logged them."""
-    lines: dict[str, list[str]] = {}
+def report_lines(log) -> dict[str, dict[str, list[str]]]:
+    """Each family's report lines, by kind (``bill``, ``warning``,
+    ``capacity``), from the engines that logged them."""
+    lines: dict[str, dict[str, list[str]]] = {}
+    kinds = {"bill": CACHE_SIZE_LINE, "warning": WARNING, "capacity": CAPACITY_LINE}
     family = None
     for line in log.read_text(errors="replace").splitlines():
         if started := ENGINE_START.search(line):
             family = started[1]
-            assert family not in lines, f"{family}'s engine started twice"
-            lines[family] = []
-        elif CACHE_SIZE_LINE in line:
-            assert family is not None, f"a size line before any engine: {line}"
-            lines[family].append(line)
+            lines.setdefault(family, {kind: [] for kind in kinds})
+        for kind, text in kinds.items():
+            if text in line:
+                assert family is not None, f"a report before any engine: {line}"
+                lines[family][kind].append(line)
     return lines
 
 
-def kv_page(config: dict, dtype_bytes: int, block_size: int) -> int:
-    """One target attention layer's page: K and V of each KV head, or MLA's
-    one latent row (kv_lora_rank + qk_rope_head_dim) a token."""
-    if "kv_lora_rank" in config:
-        row = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-    else:
-        row = 2 * config["num_key_value_heads"] * config["head_dim"]
-    return row * dtype_bytes * block_size
-
-
-def expected_cache_size(family: str, groups: list[dict]) -> dict[str, int | str]:
-    """The line's figures from the family's config and the engine arguments
-    the suite gives it (hidden size, aux layers, dtype, blocks), with the
-    block sizes vLLM picked as its engine reported them."""
-    config = family_config(family)
-    dtype_bytes = getattr(torch, family_dtype(family)).itemsize
-    blocks = FAMILY_ENGINE.get(family, {}).get("num_gpu_blocks_override", NUM_BLOCKS)
-    hidden = [g for g in groups if g["spec"] == HIDDEN]
-    block = (hidden or groups)[0]["block_size"]
-    states = len(AUX_LAYER_IDS) * config["hidden_size"] * dtype_bytes * block
-    (attention_block,) = {
-        g["block_size"] for g in groups if g["spec"] in ATTENTION_SPECS
-    }
-    target_page = kv_page(config, dtype_bytes, attention_block)
-    # The scheduler reports a group by one layer's spec: the attention page.
-    assert all(g["page_size_bytes"] == target_page for g in groups), groups
-    if hidden:
-        # A group of its own: its page padded to the page every group has,
-        # in a pool whose blocks are as wide as the widest group.
-        page = target_page
-        pool_block = max(g["layers"] for g in groups) * page
-    else:
-        # In the target's one group: every block has each layer's page.
-        page = states
-        pool_block = config["num_hidden_layers"] * target_page + states
-    return {
-        "bytes": page * blocks,
-        "share": f"{100 * page / pool_block:.1f}",
-        "kv_cache": pool_block * blocks,
-        "tokens": block * blocks,
-        "blocks": blocks,
-        "block_size": block,
-        "padding": (page - states) * blocks,
-        "page": page,
-        "states": states,
-    }
-
-
-ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
-
-
 @pytest.mark.parametrize("family", FAMILY_SCENARIOS)
-def test_each_engine_logs_its_hidden_state_cache_size_once(
+def test_each_engine_reports_what_extraction_costs_once(
     all_results, families_workdir, family
 ):
-    """Every engine of ours logs the line once, with the figures computed
-    here; vLLM's own speculator's engines (the plugin not loaded) none. An
-    engine that failed (Qwen3-Next's target graphs) logs it at most once,
+    """Every engine of ours logs the bill and the capacity once; vLLM's own
+    speculator's engines (the plugin not loaded) neither. The bill's figures
+    are the family's config's and what the engine's own KV-cache config
+    charges; the capacity with extraction is the one vLLM computed and
+    logged, and, for the families whose hidden-state layer has a group of its
+    own, the one without is the target's started alone in the same blocks.
+    GPT-OSS alone is billed more than twice its states, and warned of. An
+    engine that failed (Qwen3-Next's target graphs) reports at most once,
     then only if its KV cache was allocated."""
     groups = family_results(all_results, family, ("vllm",))["vllm"]["kv_cache_groups"]
-    want = expected_cache_size(family, groups)
+    blocks = FAMILY_ENGINE.get(family, {}).get("num_gpu_blocks_override", NUM_BLOCKS)
+    want = expected_bill(family, groups, blocks)
+    alone = all_results["vllm"][family].get("target_alone")
+    assert (alone is not None) == (family in TARGET_ALONE)
     for way in FAMILY_WAYS:
-        log = families_workdir / f"{way}.log"
-        lines = cache_size_lines(log)[family]
-        failed = "error" in all_results[way][family]
+        reports = report_lines(families_workdir / f"{way}.log")[family]
         if way == "vllm":
-            assert lines == [], lines
+            assert reports == {"bill": [], "warning": [], "capacity": []}
             continue
-        assert len(lines) <= 1 if failed else len(lines) == 1, (way, lines)
-        for line in lines:
-            got = SUMMARY.search(line)
-            assert got, line
-            figures = {
-                k: v if k == "share" else int(v) for k, v in got.groupdict().items()
-            }
-            assert figures == want, (way, line)
-        # No family pads its hidden-state pages to more than double.
-        assert PADDING_WARNING not in log.read_text(errors="replace"), way
+        failed = "error" in all_results[way][family]
+        once = len(reports["bill"]) <= 1 if failed else len(reports["bill"]) == 1
+        assert once and len(reports["capacity"]) == len(reports["bill"]), reports
+        vllms = all_results[way][family].get("kv_cache_bill")  # not if failed
+        for line in reports["bill"]:
+            got = figures(SUMMARY, line)
+            assert {k: got[k] for k in want} == want, (way, line)
+            if vllms is not None:
+                billed = vllms["pool_block"] if vllms["own_group"] else vllms["page"]
+                assert got["bill"] == billed * vllms["num_blocks"], (way, line)
+        for line in reports["capacity"]:
+            got = figures(CAPACITY, line)
+            if vllms is not None:
+                assert got["with"] == vllms["tokens"], (way, line)
+                assert got["with_concurrency"] == f"{vllms['concurrency']:.2f}"
+            assert (
+                got["budget"]
+                == f"in the same {blocks} blocks (num_gpu_blocks_override)"
+            )
+            if alone is not None:
+                assert got["without"] == alone["tokens"], (way, line)
+                assert got["without_concurrency"] == f"{alone['concurrency']:.2f}"
+        assert len(reports["warning"]) == (family == "gpt_oss") * len(reports["bill"])

@@ -29,6 +29,7 @@ import torch
 
 from tests.vllm_engine.generate_scenarios import scenario_run
 from tests.vllm_engine.real_engine import (
+    CAPACITY_LINE,
     assert_same_saves,
     cache_size_lines,
     require_cpu_engine,
@@ -104,14 +105,19 @@ def test_each_rank_caches_the_same_hidden_states(runs):
         assert ranks[0]["stats"]["copy_in_replays"] > 0
 
 
-def test_rank0_alone_logs_the_hidden_state_cache_size(runs):
+def test_rank0_alone_logs_what_extraction_costs(runs):
     """Both ranks' workers write to the engine's log; only rank 0's logs the
-    hidden-state cache's size (every rank holds the same cache)."""
+    hidden-state cache's bill and the target's capacity, each saying that
+    every TP rank holds the same (the engine's capacity is theirs)."""
     _, caches_path = runs
     log = caches_path.parent / "tp2_graphs.log"
     assert "Worker_TP1" in log.read_text(errors="replace"), "rank 1 never logged"
     (line,) = cache_size_lines(log)
     assert "Worker_TP0" in line, line
+    assert "KV cache, one on each of 2 TP ranks; " in line, line
+    (line,) = cache_size_lines(log, CAPACITY_LINE)
+    assert "Worker_TP0" in line, line
+    assert "every one of 2 TP ranks holding the same blocks: " in line, line
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

