@@ -149,7 +149,10 @@ class HiddenStatesOnLastStage(KVConnector):
     def __init__(self, every_worker_reports: bool):
         self.every_worker_reports = every_worker_reports
 
-    def post_forward(self, finished_req_ids: set[str]) -> Any:
+    def post_forward(
+        self, finished_req_ids: set[str], defer_finalize: bool = False
+    ) -> Any:
+        # defer_finalize (vLLM 0.33): nothing of a connector's to finalize.
         if not (self.every_worker_reports and finished_req_ids):
             return None
         from vllm.v1.outputs import KVConnectorOutput

@@ -39,6 +39,15 @@ PATCHED = [
         "vllm.v1.worker.gpu.spec_decode.extract_hidden_states",
         "ExtractHiddenStatesSpeculator",
     ),
+    # Pipeline parallelism (cg_extract/pipeline_parallel.py): wrapped, and
+    # what it reads to find a target's decoder and how a connector counts.
+    ("vllm.model_executor.models.registry", "_ModelRegistry.is_pp_supported_model"),
+    ("vllm.model_executor.models.registry", "_ModelRegistry.resolve_model_cls"),
+    ("vllm.v1.worker.gpu.model_runner", "get_kv_connector"),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.base",
+        "KVConnectorBase_V1.get_finished_count",
+    ),
 ]
 # Names the plugin imports on one release only, each in a ``try`` whose
 # ``except ImportError`` imports the other release's: where vLLM moved or

@@ -15,8 +15,15 @@ TESTED_VLLM = vllm_surface.tested_releases()
 
 COMPAT = Path(vllm_surface.__file__).parent
 # Entries that differ between 0.32.0 and 0.33.0, each reviewed: the names
-# the plugin imports on one release only (vllm_surface.RELEASE_ONLY).
+# the plugin imports on one release only (vllm_surface.RELEASE_ONLY), and
+# the defer_finalize 0.33's KVConnector.post_forward gains (its runner passes
+# it on the last stage), which pipeline_parallel.HiddenStatesOnLastStage, a
+# KVConnector of the stages before it, takes too.
 REVIEWED_DIFFERENCE_0_32_TO_0_33 = {
+    "vllm.v1.worker.gpu.kv_connector:KVConnector.post_forward\tfunction\t"
+    "(self, finished_req_ids: set[str])",
+    "vllm.v1.worker.gpu.kv_connector:KVConnector.post_forward\tfunction\t"
+    "(self, finished_req_ids: set[str], defer_finalize: bool=False)",
     "vllm.v1.core.kv_cache_planning:get_global_kv_cache_groups\tMISSING\t"
     "no module vllm.v1.core.kv_cache_planning",
     "vllm.v1.core.kv_cache_planning:get_global_kv_cache_groups\tfunction\t"
