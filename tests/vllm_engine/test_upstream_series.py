@@ -17,6 +17,9 @@ in a scratch copy and run (the CI test of issue 33).
   the plugin has copy-in and zero-copy graphs; the series' zero-copy patch
   was removed, ``upstream/followups/README.md``), and the target's replays
   unchanged.
+* 0003: the same engine with the patched copy across two pipeline stages
+  (the async-scheduling stand-in of :func:`vllm_on_cpu.engine.pipeline_env`,
+  nothing of the plugin's), byte-identical to vLLM's speculator on one.
 * 0002's graphs-on end-to-end test, vLLM's own style, in vLLM's test tree on
   the CPU graph stand-in (:mod:`vllm_on_cpu.graph_engine_stand_in`).
 """
@@ -41,7 +44,15 @@ from tests.vllm_engine.real_engine import (
     run_engines,
     series_patches,
 )
-from vllm_on_cpu.engine import ROOT, SERIES, SERIES_DIR, SITE, cpu_env, load_saved
+from vllm_on_cpu.engine import (
+    ROOT,
+    SERIES,
+    SERIES_DIR,
+    SITE,
+    cpu_env,
+    load_saved,
+    pipeline_env,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -57,6 +68,7 @@ REDUCED_ON_032 = [
     "Context reduced to (2/2) to apply fragment at 28"
 ]
 SCENARIOS = ["decode", "many_prompt_lengths"]
+SERIES_PP2 = f"{SERIES}_pp2"
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +232,18 @@ def results(series, model_dir, tmp_path_factory):
             name: scenario_run(name, way, model_dir, workdir, "--scenarios", *SCENARIOS)
             for name, way in ways.items()
         }
+        # 0003: the series across two pipeline stages, nothing of the plugin's.
+        runs[SERIES_PP2] = scenario_run(
+            SERIES_PP2,
+            SERIES,
+            model_dir,
+            workdir,
+            "--scenarios",
+            *SCENARIOS,
+            "--pipeline-parallel-size",
+            "2",
+            **pipeline_env(SERIES),
+        )
     finally:
         if old is None:
             del os.environ[SERIES_DIR]
@@ -283,9 +307,19 @@ def test_graph_modes_and_replays_as_the_plugins(results):
 def test_same_tokens_and_bytes_as_the_plugin_and_vllm(results, scenario):
     reference = results["vllm"][scenario]["requests"]
     assert reference
-    for name in ("plugin", SERIES):
+    for name in ("plugin", SERIES, SERIES_PP2):
         got = results[name][scenario]["requests"]
         assert len(got) == len(reference), name
         for i, (mine, want) in enumerate(zip(got, reference, strict=True)):
             what = f"{scenario}, request {i}, {name} against vLLM's speculator"
             assert_same_request(mine, want, load_saved(want["path"]), what)
+
+
+def test_the_series_across_stages_replays_on_the_last_stage(results):
+    """0003: only the last stage holds the series' speculator, and it
+    replays its graphs there as it does on one stage."""
+    for scenario in SCENARIOS:
+        first, last = results[SERIES_PP2][scenario]["stats_after"]
+        assert first is None
+        assert last["class"] == f"{UPSTREAM}.ExtractHiddenStatesSpeculator"
+        assert last["vllm_graphs"]["cudagraph_manager"]["replays"] > 0, scenario

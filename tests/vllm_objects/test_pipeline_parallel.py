@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
 
+import copy
 import json
 import os
-import pickle
 import subprocess
 import sys
 
@@ -173,12 +173,13 @@ def finished_by_step(count: int | None, stand_in_reports: bool | None = None):
     last stage's writer reports it sent on step 2, once its copy is done.
     Returns the step on which the executor saw it finished (None: never).
 
-    Each output is pickled, as it crosses from its worker's process: vLLM
-    hands out one shared empty output, which the aggregator writes into."""
+    Each output is a copy of its own, as it arrives from its worker's
+    process: vLLM hands out one shared empty output, which the aggregator
+    writes into."""
     from vllm.v1.outputs import KVConnectorOutput
 
     def sent(output: ModelRunnerOutput) -> ModelRunnerOutput:
-        return pickle.loads(pickle.dumps(output))
+        return copy.copy(output)
 
     aggregator = KVOutputAggregator(count or 2)
     first = pipeline_parallel.HiddenStatesOnLastStage(
