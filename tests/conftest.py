@@ -1,16 +1,29 @@
-"""Shared fixtures. `cuda`-marked tests skip where torch sees no CUDA device."""
+"""Shared fixtures. `cuda`-marked tests skip where torch sees no CUDA device;
+`slow`-marked ones unless pytest is given `--slow`."""
 
 import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        help="also run the tests marked slow (run once and recorded in "
+        "docs/testing.md, not in CI)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["cuda"] = pytest.mark.skip(reason="needs a CUDA device")
+    if not config.getoption("--slow"):
+        skips["slow"] = pytest.mark.skip(reason="slow: run with --slow")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 import asyncio
 import contextlib
 
+from tests.model_families import write_family_dir
 from tests.openai_server import free_port, request, serve
 from tests.vllm_engine.generate_scenarios import (
     CLIENT_WAVES,
@@ -88,10 +89,10 @@ def two_nodes(model_dir, workdir):
         stop(node1)
 
 
-@pytest.fixture(scope="module")
-def runs(model_dir, tmp_path_factory):
-    require_cpu_engine()
-    workdir = tmp_path_factory.mktemp("e2e_pp")
+def staged_runs(model_dir, workdir, pp, ways, *reference_scenarios):
+    """A one-stage reference (vLLM's speculator, ``TARGET_SCENARIOS`` and
+    ``reference_scenarios``) and each way across ``pp`` stages, not started;
+    the target way's last stage logs its steps under ``workdir / "steps"``."""
     reference = scenario_run(
         "pp1_vllm",
         "vllm",
@@ -99,23 +100,31 @@ def runs(model_dir, tmp_path_factory):
         workdir,
         "--scenarios",
         *TARGET_SCENARIOS,
-        *CLIENT_WAVES,
+        *reference_scenarios,
     )
     staged = {
         way: scenario_run(
-            f"pp{PP}_{way}",
+            f"pp{pp}_{way}",
             way,
             model_dir,
             workdir,
             "--scenarios",
             *TARGET_SCENARIOS,
             "--pipeline-parallel-size",
-            str(PP),
+            str(pp),
             **pipeline_env(way),
             **({step_log.STEP_LOG: str(workdir / "steps")} if way == "target" else {}),
         )
-        for way in WAYS
+        for way in ways
     }
+    return reference, staged
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+    require_cpu_engine()
+    workdir = tmp_path_factory.mktemp("e2e_pp")
+    reference, staged = staged_runs(model_dir, workdir, PP, WAYS, *CLIENT_WAVES)
     with two_nodes(model_dir, workdir) as base_url:
         run_engines([reference.engine, *(r.engine for r in staged.values())], 600)
         served = {
@@ -129,12 +138,11 @@ def runs(model_dir, tmp_path_factory):
         "served": served,
         "served_stats": rpc["results"],
         "workdir": workdir,
+        "pp": PP,
     }
 
 
-@pytest.mark.parametrize("scenario", TARGET_SCENARIOS)
-@pytest.mark.parametrize("way", WAYS)
-def test_each_way_across_stages_saves_the_one_stage_bytes(runs, way, scenario):
+def assert_one_stage_bytes(runs, way, scenario):
     want = runs["reference"][scenario]["requests"]
     got = runs["staged"][way][scenario]["requests"]
     assert len(got) == len(want) > 0
@@ -145,21 +153,13 @@ def test_each_way_across_stages_saves_the_one_stage_bytes(runs, way, scenario):
         )
 
 
-@pytest.mark.parametrize("way", WAYS)
-def test_only_the_last_stage_holds_the_speculator(runs, way):
-    first, last = runs["staged"][way][TARGET_SCENARIOS[-1]]["stats_after"]
-    assert first is None
-    assert last["class"] == (
-        f"{UPSTREAM}.ExtractHiddenStatesSpeculator" if way == "vllm" else OURS
-    )
-
-
-def test_the_targets_graphs_and_ours_replayed_on_the_last_stage(runs):
+def assert_graphs_replayed_on_the_last_stage(runs):
     """From the last stage's step log: the target replayed FULL graphs, ours
     replayed zero-copy after them and copy-in on the small mixed steps, and
     every step took the path due (:func:`step_log.zero_copy_violations`)."""
+    pp = runs["pp"]
     (name, steps), *others = step_log.read(runs["workdir"] / "steps").items()
-    assert not others and name == f"dp0_tp{PP - 1}", name
+    assert not others and name == f"dp0_tp{pp - 1}", name
     after = runs["staged"]["target"][TARGET_SCENARIOS[-1]]["stats_after"][-1]
     assert after["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     paths = [path for step in steps for path in step["paths"]]
@@ -168,6 +168,29 @@ def test_the_targets_graphs_and_ours_replayed_on_the_last_stage(runs):
     assert sum(step["target"] == "FULL" for step in steps) > 0
     full_sizes = after["target_graphs"]["full_sizes"]
     assert step_log.zero_copy_violations(steps, full_sizes, "FULL_AND_PIECEWISE") == []
+
+
+def assert_only_the_last_stage_holds_the_speculator(runs, way):
+    *firsts, last = runs["staged"][way][TARGET_SCENARIOS[-1]]["stats_after"]
+    assert len(firsts) == runs["pp"] - 1 and set(firsts) == {None}
+    assert last["class"] == (
+        f"{UPSTREAM}.ExtractHiddenStatesSpeculator" if way == "vllm" else OURS
+    )
+
+
+@pytest.mark.parametrize("scenario", TARGET_SCENARIOS)
+@pytest.mark.parametrize("way", WAYS)
+def test_each_way_across_stages_saves_the_one_stage_bytes(runs, way, scenario):
+    assert_one_stage_bytes(runs, way, scenario)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_only_the_last_stage_holds_the_speculator(runs, way):
+    assert_only_the_last_stage_holds_the_speculator(runs, way)
+
+
+def test_the_targets_graphs_and_ours_replayed_on_the_last_stage(runs):
+    assert_graphs_replayed_on_the_last_stage(runs)
 
 
 @pytest.mark.parametrize("way", ["eager", "target"])
@@ -211,3 +234,44 @@ def test_the_headless_node_ran_our_graphs(runs):
     assert f"Worker_PP{PP - 1}" in capture, capture
     node0 = (runs["workdir"] / "node0.log").read_text(errors="replace")
     assert CAPTURE_LINE not in node0
+
+
+# --------------------------------------------------------------------------
+# Run once, not in CI (``pytest --slow``; docs/testing.md has the figures):
+# a second family, and three stages, whose middle one relays the aux states
+# of the first stage's layers (PPHandler.relay_aux_hidden_states).
+
+SLOW_CASES = {"qwen3, 2 stages": ("qwen3", 2), "llama, 3 stages": ("llama", 3)}
+SLOW_WAYS = ("vllm", "eager", "graphs", "target")
+
+
+@pytest.fixture(scope="module", params=SLOW_CASES)
+def slow_runs(request, model_dir, tmp_path_factory):
+    require_cpu_engine()
+    family, pp = SLOW_CASES[request.param]
+    workdir = tmp_path_factory.mktemp(f"e2e_{family}_pp{pp}")
+    if family != "llama":
+        model_dir = write_family_dir(workdir / "model", family)
+    reference, staged = staged_runs(model_dir, workdir, pp, SLOW_WAYS)
+    run_engines([reference.engine, *(r.engine for r in staged.values())], 1200)
+    return {
+        "reference": reference.results(),
+        "staged": {way: run.results() for way, run in staged.items()},
+        "workdir": workdir,
+        "pp": pp,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("way", SLOW_WAYS)
+def test_more_stages_and_families_save_the_one_stage_bytes(slow_runs, way):
+    for scenario in TARGET_SCENARIOS:
+        assert_one_stage_bytes(slow_runs, way, scenario)
+    assert_only_the_last_stage_holds_the_speculator(slow_runs, way)
+
+
+@pytest.mark.slow
+def test_more_stages_and_families_replay_on_the_last_stage(slow_runs):
+    assert_graphs_replayed_on_the_last_stage(slow_runs)
+    *_, last = slow_runs["staged"]["graphs"][TARGET_SCENARIOS[-1]]["stats_after"]
+    assert last["stats"]["copy_in_replays"] > 0
