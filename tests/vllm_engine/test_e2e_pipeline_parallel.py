@@ -28,6 +28,7 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import asyncio
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 from tests.model_families import write_family_dir
 from tests.openai_server import free_port, request, serve
@@ -125,13 +126,19 @@ def runs(model_dir, tmp_path_factory):
     require_cpu_engine()
     workdir = tmp_path_factory.mktemp("e2e_pp")
     reference, staged = staged_runs(model_dir, workdir, PP, WAYS, *CLIENT_WAVES)
-    with two_nodes(model_dir, workdir) as base_url:
-        run_engines([reference.engine, *(r.engine for r in staged.values())], 600)
-        served = {
-            wave: asyncio.run(fetch_all(base_url, str(model_dir), prompts()))
-            for wave, prompts in CLIENT_WAVES.items()
-        }
-        _, rpc = request(f"{base_url}/collective_rpc", {"method": "speculator_stats"})
+    engines = [reference.engine, *(r.engine for r in staged.values())]
+    # The engines run while the two nodes start: both keep the cores busy.
+    with ThreadPoolExecutor(1) as pool:
+        ran = pool.submit(run_engines, engines, 600)
+        with two_nodes(model_dir, workdir) as base_url:
+            served = {
+                wave: asyncio.run(fetch_all(base_url, str(model_dir), prompts()))
+                for wave, prompts in CLIENT_WAVES.items()
+            }
+            _, rpc = request(
+                f"{base_url}/collective_rpc", {"method": "speculator_stats"}
+            )
+        ran.result()
     return {
         "reference": reference.results(),
         "staged": {way: run.results() for way, run in staged.items()},

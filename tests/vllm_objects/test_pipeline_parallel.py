@@ -326,3 +326,13 @@ def test_vllms_own_refusals_reach_the_user_unchanged(model_dir):
         assert "Model Runner V2 does not yet support: " in message, message
         assert reason in message, message
         assert "cg_extract" not in message
+
+
+def test_a_subclass_building_another_decoder_is_read_as_it_builds():
+    """MiMo's causal LM subclasses Qwen2's, whose decoder relays aux states,
+    and builds its own, which does not (vLLM's mimo.py): the subclass's
+    assignment wins, as it does at run time."""
+    from vllm.model_executor.models.mimo import MiMoForCausalLM, MiMoModel
+
+    assert pipeline_parallel.decoder_class(MiMoForCausalLM) is MiMoModel
+    assert not MiMoModel.supports_aux_hidden_states_over_pp
