@@ -1,15 +1,16 @@
 """How vLLM finds us: the ``vllm.general_plugins`` entry point.
 
 vLLM calls :func:`register` in every process (API server, engine core,
-workers) through ``load_general_plugins()``. On a vLLM we have tested it does
-three things, all idempotent:
+workers) through ``load_general_plugins()``. On a vLLM we have tested it
+does, idempotently:
 
 * puts a :class:`_ConfigGate` on ``EngineArgs.create_engine_config``: for
-  engine args that name none of our keys it hands out vLLM's own method
-  untouched; for those that do, a build that takes our keys out of
-  ``--speculative-config`` before vLLM's ``SpeculativeConfig`` (which forbids
-  unknown keys) sees them, validates them, and carries them to workers in
-  ``additional_config``. CLI, ``EngineArgs``/``LLM`` keywords and
+  engine args that name none of our keys (and do not extract across
+  pipeline stages) it hands out vLLM's own method untouched; for the others,
+  a build that takes our keys out of ``--speculative-config`` before vLLM's
+  ``SpeculativeConfig`` (which forbids unknown keys) sees them, validates
+  them and what extraction across stages needs, and carries them to workers
+  in ``additional_config``. CLI, ``EngineArgs``/``LLM`` keywords and
   ``AsyncEngineArgs`` all build their config through that one method;
 * points ``vllm.v1.worker.gpu.spec_decode.extract_hidden_states.
   ExtractHiddenStatesSpeculator`` at our class. MRv2's ``init_speculator``
@@ -19,7 +20,12 @@ three things, all idempotent:
   (:mod:`cg_extract.target_buffers`, a weak reference): its persistent
   aux-hidden-state buffers, which the zero-copy graphs read, and the token
   counts of its planned FULL graphs, the sizes those graphs are captured
-  for. The wrapper only reads attributes after capture.
+  for. The wrapper only reads attributes after capture;
+* wraps ``GPUModelRunner.initialize_kv_cache`` to tell our speculator of each
+  KV cache the runner initialises (the memory profiler's or the real one,
+  whose size it logs);
+* lifts vLLM's two refusals of extraction across pipeline stages
+  (:mod:`cg_extract.pipeline_parallel`).
 
 On any other vLLM our hooks cannot be trusted, so the plugin steps aside:
 it swaps and wraps nothing and logs one warning. The gate alone stays, and it

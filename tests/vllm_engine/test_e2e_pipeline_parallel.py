@@ -90,9 +90,10 @@ def two_nodes(model_dir, workdir):
         stop(node1)
 
 
-def staged_runs(model_dir, workdir, pp, ways, *reference_scenarios):
+def staged_runs(model_dir, workdir, pp, ways, *reference_scenarios, **env):
     """A one-stage reference (vLLM's speculator, ``TARGET_SCENARIOS`` and
-    ``reference_scenarios``) and each way across ``pp`` stages, not started;
+    ``reference_scenarios``) and each way across ``pp`` stages (``env``
+    added to theirs), not started;
     the target way's last stage logs its steps under ``workdir / "steps"``."""
     reference = scenario_run(
         "pp1_vllm",
@@ -114,6 +115,7 @@ def staged_runs(model_dir, workdir, pp, ways, *reference_scenarios):
             "--pipeline-parallel-size",
             str(pp),
             **pipeline_env(way),
+            **env,
             **({step_log.STEP_LOG: str(workdir / "steps")} if way == "target" else {}),
         )
         for way in ways
@@ -208,6 +210,7 @@ def test_the_last_stage_logs_our_lines_once(runs, way):
     log = runs["workdir"] / f"pp{PP}_{way}.log"
     (line,) = cache_size_lines(log)
     assert f"Worker_PP{PP - 1}" in line, line
+    assert f"KV cache of pipeline stage {PP} of {PP}, the last," in line, line
     captures = [
         line
         for line in log.read_text(errors="replace").splitlines()
@@ -249,6 +252,10 @@ def test_the_headless_node_ran_our_graphs(runs):
 # of the first stage's layers (PPHandler.relay_aux_hidden_states).
 
 SLOW_CASES = {"qwen3, 2 stages": ("qwen3", 2), "llama, 3 stages": ("llama", 3)}
+# The Llama's layers across three stages, so that aux layer 1's states come
+# from the first stage and the middle one must relay them (vLLM's default,
+# 1, 2, 1, would capture 1 and 2 on the middle stage).
+PARTITIONS = {3: "2,1,1"}
 SLOW_WAYS = ("vllm", "eager", "graphs", "target")
 
 
@@ -259,7 +266,8 @@ def slow_runs(request, model_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp(f"e2e_{family}_pp{pp}")
     if family != "llama":
         model_dir = write_family_dir(workdir / "model", family)
-    reference, staged = staged_runs(model_dir, workdir, pp, SLOW_WAYS)
+    partition = {"VLLM_PP_LAYER_PARTITION": PARTITIONS[pp]} if pp in PARTITIONS else {}
+    reference, staged = staged_runs(model_dir, workdir, pp, SLOW_WAYS, **partition)
     run_engines([reference.engine, *(r.engine for r in staged.values())], 1200)
     return {
         "reference": reference.results(),
