@@ -139,10 +139,13 @@ class GraphCPUAttentionImpl(CPUAttentionBackendImpl):
                 layer, query, key, value, kv_cache, attn_metadata, output, **scales
             )
         name = layer.layer_name
-        if name not in _kernels:
-            _kernels[name] = _Kernel(
-                self, _builder_of(layer), layer._k_scale_float, layer._v_scale_float
-            )
+        # Every call, not only the first: engines run one after another in
+        # one process (the families suite) reuse the layer names, and a
+        # second engine's graphs must not read the first's schedule (its
+        # dtype: a bfloat16 engine after a float32 one differed by 1e-7).
+        _kernels[name] = _Kernel(
+            self, _builder_of(layer), layer._k_scale_float, layer._v_scale_float
+        )
         n = attn_metadata.num_actual_tokens
         num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
         kv = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))
