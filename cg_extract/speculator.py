@@ -35,9 +35,6 @@ elastic EP release and recapture) is :mod:`cg_extract.vllm_graphs`'s.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,21 +47,12 @@ from vllm.distributed.kv_transfer import has_kv_transfer_group
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.extract_hidden_states import dummy_attention
-from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
 from vllm.v1.worker.gpu.dp_utils import DPSyncState
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-from cg_extract import get_logger, target_buffers
+from cg_extract import get_logger, kv_cache_report, target_buffers
 from cg_extract.cache_backend import report_graph_support
-from cg_extract.cache_size import (
-    HiddenStateCacheSize,
-    KVCapacity,
-    MambaExtra,
-    PageSetter,
-    Parallelism,
-    WidestGroup,
-)
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.config import ExtractGraphConfig, given_keys
 from cg_extract.vllm_graphs import SpeculatorGraphs
@@ -237,7 +225,13 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             return
         self._cache_size_reported = True
         try:
-            size = self.cache_size(self.kv_cache_config)
+            size = kv_cache_report.hidden_state_cache_size(
+                self.vllm_config,
+                self.layer_name,
+                self.num_hidden_states,
+                self.dtype,
+                self.kv_cache_config,
+            )
         except Exception as why:  # a layout this reading does not know
             logger.warning(
                 "extract_hidden_states: cache size not reported: %s", _reason(why)
@@ -249,104 +243,18 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         if kv_cache_specs is None:
             return
         try:
-            capacity = self.kv_capacity(self.kv_cache_config, kv_cache_specs())
+            capacity = kv_cache_report.kv_capacity(
+                self.vllm_config,
+                self.layer_name,
+                self.kv_cache_config,
+                kv_cache_specs(),
+            )
         except Exception as why:  # vLLM's own functions, on specs it never saw
             logger.warning(
                 "extract_hidden_states: KV capacity not reported: %s", _reason(why)
             )
             return
         logger.info(capacity.summary())
-
-    def cache_size(self, kv_cache_config: KVCacheConfig) -> HiddenStateCacheSize:
-        """The hidden-state layer's pages, block size and pool, read from
-        ``kv_cache_config`` as vLLM laid it out; what a page must hold, from
-        what this speculator writes; for a group of its own, the blocks a
-        request of ``max_model_len`` tokens takes, by vLLM's admission
-        arithmetic (each group's ``max_memory_usage_bytes`` in pages)."""
-        name = self.layer_name
-        groups = kv_cache_config.kv_cache_groups
-        tensors = kv_cache_config.kv_cache_tensors
-        held = [(i, g) for i, g in enumerate(groups) if name in g.layer_names]
-        placed = [t for t in tensors if name in t.layers]
-        if len(held) != 1 or len(placed) != 1:
-            raise ValueError(
-                f"the hidden-state layer {name} is in {len(held)} KV-cache "
-                f"groups and {len(placed)} KV-cache tensors, not one of each"
-            )
-        ((index, group),), (tensor,) = held, placed
-        spec = _layer_spec(group, name)
-        num_blocks = kv_cache_config.num_blocks_of(tensor)
-        if tensor.size % num_blocks:
-            raise ValueError(
-                f"the KV cache pool of {tensor.size} bytes is not {num_blocks} "
-                "equal blocks"
-            )
-        # Groups overlay one allocation per pool (device, HiSparse's host).
-        pools = {t.host_resident: t.size for t in tensors}
-        others = [(i, g) for i, g in enumerate(groups) if i != index]
-        own_group = group.layer_names == [name]
-        request_blocks = None
-        if own_group:
-            pages = [_request_pages(self.vllm_config, g) for g in groups]
-            request_blocks = (pages[index], sum(pages))
-        return HiddenStateCacheSize(
-            num_aux_layers=self.num_hidden_states,
-            hidden_size=self.vllm_config.model_config.get_hidden_size(),
-            dtype_bytes=self.dtype.itemsize,
-            block_size=spec.block_size,
-            page_bytes=spec.page_size_bytes,
-            num_blocks=num_blocks,
-            pool_block_bytes=tensor.size // num_blocks,
-            kv_cache_bytes=sum(pools.values()),
-            own_group=own_group,
-            num_groups=len(groups),
-            other_block_sizes=tuple(
-                sorted({g.kv_cache_spec.block_size for _, g in others})
-            ),
-            page_setter=_page_setter(spec, others) if own_group else None,
-            widest_group=_widest_group(others) if own_group else None,
-            request_blocks=request_blocks,
-            max_model_len=self.vllm_config.model_config.max_model_len,
-            parallelism=_parallelism(self.vllm_config),
-        )
-
-    def kv_capacity(
-        self, kv_cache_config: KVCacheConfig, kv_cache_specs: dict[str, Any]
-    ) -> KVCapacity:
-        """The target's KV capacity by vLLM's own ``get_kv_cache_capacity``:
-        with extraction, on ``kv_cache_config``; with no speculative config,
-        on the layout vLLM's own ``get_kv_cache_configs`` makes of
-        ``kv_cache_specs`` without the hidden-state layer and without the
-        Mamba groups' speculative blocks, on the same budget."""
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
-
-        config = self.vllm_config
-        tokens_with, concurrency_with = get_kv_cache_capacity(config, kv_cache_config)
-        without = _without_speculation(config)
-        specs = {
-            name: _without_speculative_blocks(spec)
-            for name, spec in kv_cache_specs.items()
-            if name != self.layer_name
-        }
-        memory, budget = _budget(config, kv_cache_config)
-        layout = _vllm_kv_cache_config(without, specs, memory)
-        tokens_without, concurrency_without = get_kv_cache_capacity(without, layout)
-        extras = tuple(
-            MambaExtra(i, _request_pages(config, g) - _request_pages(without, plain))
-            for i, g in enumerate(kv_cache_config.kv_cache_groups)
-            if (plain := _without_speculative_blocks(g)) is not g
-        )
-        return KVCapacity(
-            max_model_len=config.model_config.max_model_len,
-            tokens_with=tokens_with,
-            concurrency_with=concurrency_with,
-            tokens_without=tokens_without,
-            concurrency_without=concurrency_without,
-            budget=budget,
-            pool_block_bytes=_device_pool_block(kv_cache_config),
-            mamba_extras=extras,
-            parallelism=_parallelism(config),
-        )
 
     # ------------------------------------------------------------------
     # CUDA graphs
@@ -612,149 +520,8 @@ def _speaks(vllm_config: VllmConfig) -> bool:
     return pp.is_last_rank and pp.ranks[0] == get_world_group().ranks[0]
 
 
-def _page_setter(spec: Any, others: list[tuple[int, Any]]) -> PageSetter | None:
-    """The group whose own page the hidden-state layer's padded page is: of
-    the other groups with that page, the one whose unpadded page is largest.
-    None when vLLM did not pad the page to another group's."""
-    if getattr(spec, "page_size_padded", None) is None:
-        return None
-    page = spec.page_size_bytes
-    candidates = [
-        PageSetter(
-            index=i,
-            spec=type(g.kv_cache_spec).__name__,
-            num_layers=len(g.layer_names),
-            block_size=g.kv_cache_spec.block_size,
-            page_bytes=getattr(
-                g.kv_cache_spec, "real_page_size_bytes", g.kv_cache_spec.page_size_bytes
-            ),
-        )
-        for i, g in others
-        if g.kv_cache_spec.page_size_bytes == page
-    ]
-    return max(candidates, key=lambda s: s.page_bytes, default=None)
-
-
 def _reason(error: Exception) -> str:
     """Our own refusals say why; anything else also says what it was."""
     if isinstance(error, ValueError):
         return str(error)
     return f"{type(error).__name__}: {error}"
-
-
-def _layer_spec(group: Any, name: str) -> Any:
-    spec = group.kv_cache_spec
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        return spec.kv_cache_specs[name]
-    return spec
-
-
-def _widest_group(others: list[tuple[int, Any]]) -> WidestGroup | None:
-    """Of the other groups, the one whose layers' pages side by side are
-    widest: a block of the pool is that wide."""
-
-    def width(group: Any) -> int:
-        return sum(_layer_spec(group, n).page_size_bytes for n in group.layer_names)
-
-    if not others:
-        return None
-    index, group = max(others, key=lambda ig: width(ig[1]))
-    return WidestGroup(
-        index=index,
-        spec=type(group.kv_cache_spec).__name__,
-        num_layers=len(group.layer_names),
-        page_bytes=group.kv_cache_spec.page_size_bytes,
-    )
-
-
-def _request_pages(vllm_config: VllmConfig, group: Any) -> int:
-    """The pages (so blocks of the pool) a request of ``max_model_len``
-    tokens takes in ``group``: what vLLM's admission and capacity count for
-    it (``get_max_concurrency_for_kv_cache_config``)."""
-    spec = group.kv_cache_spec
-    return -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
-
-
-def _parallelism(vllm_config: VllmConfig) -> Parallelism:
-    parallel = vllm_config.parallel_config
-    return Parallelism(
-        tensor_parallel_size=parallel.tensor_parallel_size,
-        pipeline_parallel_size=parallel.pipeline_parallel_size,
-        data_parallel_size=parallel.data_parallel_size,
-    )
-
-
-def _without_speculation(vllm_config: VllmConfig) -> VllmConfig:
-    """``vllm_config`` as the same target without a speculative config: a
-    shallow copy, with its own model config so that vLLM's auto-fit of
-    ``max_model_len`` (``-1``) cannot touch the engine's."""
-    without = copy.copy(vllm_config)
-    without.speculative_config = None
-    without.model_config = copy.copy(vllm_config.model_config)
-    without.model_config.original_max_model_len = vllm_config.model_config.max_model_len
-    return without
-
-
-def _without_speculative_blocks(item: Any) -> Any:
-    """A KV-cache spec (or group) as vLLM builds it with no speculative
-    tokens: a Mamba spec without its speculative blocks; anything else as
-    it is (the same object)."""
-    spec = getattr(item, "kv_cache_spec", item)
-    if not getattr(spec, "num_speculative_blocks", 0):
-        return item
-    plain = dataclasses.replace(spec, num_speculative_blocks=0)
-    return plain if item is spec else dataclasses.replace(item, kv_cache_spec=plain)
-
-
-def _device_pool_block(kv_cache_config: KVCacheConfig) -> int:
-    (size,) = {t.size for t in kv_cache_config.kv_cache_tensors if not t.host_resident}
-    return size // kv_cache_config.num_blocks
-
-
-def _budget(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[int, str]:
-    """The KV budget an engine without extraction would get, and its label:
-    the one given (``kv_cache_memory_bytes``, or ``num_gpu_blocks_override``,
-    which vLLM's own functions apply), else the bytes allocated here."""
-    cache = vllm_config.cache_config
-    allocated = _device_pool_block(kv_cache_config) * kv_cache_config.num_blocks
-    if cache.num_gpu_blocks_override is not None:
-        blocks = cache.num_gpu_blocks_override
-        return allocated, f"in the same {blocks} blocks (num_gpu_blocks_override)"
-    if cache.kv_cache_memory_bytes:
-        given = cache.kv_cache_memory_bytes
-        return given, f"on the same {given}-byte budget (kv_cache_memory_bytes)"
-    return allocated, (
-        f"on the {allocated} bytes allocated here (vLLM profiled the budget, "
-        "and without extraction would profile its own)"
-    )
-
-
-def _vllm_kv_cache_config(
-    vllm_config: VllmConfig, specs: dict[str, Any], memory: int
-) -> KVCacheConfig:
-    """vLLM's own layout of one worker's ``specs`` on ``memory`` bytes, as
-    its engine core makes it; its logs about that hypothetical layout
-    (overrides, padding layers) are kept out of the engine's."""
-    try:  # vLLM 0.33: the groups are made first
-        from vllm.v1.core.kv_cache_planning import (
-            get_global_kv_cache_groups,
-            get_kv_cache_configs,
-        )
-    except ImportError:  # vLLM 0.32
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
-        def layout() -> KVCacheConfig:
-            return get_kv_cache_configs(vllm_config, [dict(specs)], [memory])[0]
-
-    else:
-
-        def layout() -> KVCacheConfig:
-            groups = get_global_kv_cache_groups(vllm_config, [dict(specs)])
-            return get_kv_cache_configs(vllm_config, [specs], [memory], groups)[0]
-
-    vllm_log = logging.getLogger(get_kv_cache_configs.__module__)
-    disabled, vllm_log.disabled = vllm_log.disabled, True
-    try:
-        return layout()
-    finally:
-        vllm_log.disabled = disabled
