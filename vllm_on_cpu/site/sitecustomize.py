@@ -39,6 +39,25 @@ And a STAND-IN for what a GPU keeps, for pipeline parallelism
   and MRv2 asserts (``num_scheduled_tokens_np >= num_logits``). Installed when
   ``vllm.platforms.cpu`` is imported, in every process that builds a config
   (the API server and a headless node among them).
+
+Two more, in every process where ``TRITON_INTERPRET=1``:
+
+* A STAND-IN for Triton's interpreter's limits: ``CpuPlatform.check_and_update_config``
+  turns vLLM's JIT kernel warm-up off (``kernel_config.enable_jit_warmup``,
+  as ``enforce_eager`` does). vLLM 0.33's CPU worker runs MRv2's warm-up
+  (``v1/worker/cpu_worker.py``, ``compile_or_warm_up_model``; 0.32's does
+  not), which launches the grammar-bitmask kernel
+  (``v1/worker/gpu/structured_outputs.py``, ``_apply_grammar_bitmask_kernel``);
+  Triton 3.9's interpreter tags a comparison's result with its operands'
+  type instead of ``int1`` (``triton/runtime/interpreter.py``,
+  ``InterpreterBuilder.binary_op``), so splatting the kernel's scalar
+  ``position_is_active`` into its store mask makes an int32 mask, and the
+  store raises ``ValueError('mask has unsupported dtype')``. Compiled Triton
+  types the comparison ``int1``: vLLM's kernel is right, the interpreter is
+  not. The warm-up only compiles kernels ahead of the first request.
+* Where ``CG_EXTRACT_EXPECT_VLLM`` names a version, importing ``vllm`` fails
+  unless ``vllm.__version__`` is that version: a test session on vLLM 0.33.0
+  (``make test``) cannot have an engine process silently run another.
 """
 
 import contextlib
@@ -107,12 +126,22 @@ def _keep_async_scheduling(module) -> None:
     platform.check_and_update_config = classmethod(check_and_update_config)
 
 
+# module name -> the patches to run on it once imported, in order given
+_PATCHES: dict[str, list] = {}
+
+
 def _after_import(name: str, patch) -> None:
     """Run ``patch(module)`` once ``name`` has been imported (a meta path
-    finder that wraps that one module's loader)."""
+    finder that wraps that one module's loader; several patches of one
+    module run in the order given)."""
     import importlib.abc
     import importlib.machinery
     import sys
+
+    if name in _PATCHES:
+        _PATCHES[name].append(patch)
+        return
+    _PATCHES[name] = [patch]
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path, target=None):
@@ -124,7 +153,8 @@ def _after_import(name: str, patch) -> None:
 
             def exec_module(module):
                 execute(module)
-                patch(module)
+                for each in _PATCHES[name]:
+                    each(module)
 
             spec.loader.exec_module = exec_module
             return spec
@@ -132,11 +162,37 @@ def _after_import(name: str, patch) -> None:
     sys.meta_path.insert(0, Finder())
 
 
+def _skip_jit_warmup(module) -> None:
+    platform = module.CpuPlatform
+    check = platform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        check(cls, vllm_config)
+        vllm_config.kernel_config.enable_jit_warmup = False
+
+    platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+EXPECT_VLLM = "CG_EXTRACT_EXPECT_VLLM"
+
+
+def _check_version(vllm) -> None:
+    expected = os.environ[EXPECT_VLLM]
+    if vllm.__version__ != expected:
+        raise RuntimeError(
+            f"{EXPECT_VLLM}={expected} but this process imported vllm "
+            f"{vllm.__version__} from {vllm.__file__}"
+        )
+
+
 if os.environ.get("VLLM_ON_CPU_ASYNC_SCHEDULING") == "1":
     _after_import("vllm.platforms.cpu", _keep_async_scheduling)
+if os.environ.get(EXPECT_VLLM):
+    _after_import("vllm", _check_version)
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # Without Triton there is nothing to stand in for: vLLM runs without it
     # and says so, and MRv2 then fails to start, with that in the log.
     with contextlib.suppress(ImportError):
         _register_stand_in()
+    _after_import("vllm.platforms.cpu", _skip_jit_warmup)
