@@ -50,6 +50,9 @@ ENGINE_TESTS = [
     "test_extraction_cudagraph.py"
 ]
 STAND_IN = "vllm_on_cpu.graph_engine_stand_in"
+# What the CI job that collects them ("Extract Hidden States Integration",
+# .buildkite/test_areas/misc.yaml) exports.
+ENGINE_TESTS_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 # Folders of tests that import the modules the series touches.
 NEIGHBOURS = ("tests/v1/spec_decode", "tests/v1/worker")
 # The architecture (config.json) of each hub model the selection names.
@@ -147,7 +150,8 @@ def run_engine_tests(
 ) -> subprocess.CompletedProcess:
     """pytest on :data:`ENGINE_TESTS` from ``tree``, on the CPU graph
     stand-in (:data:`STAND_IN`, which must import: this checkout on
-    ``PYTHONPATH`` after the tree)."""
+    ``PYTHONPATH`` after the tree), with :data:`ENGINE_TESTS_ENV`."""
+    env = {**(os.environ if env is None else env), **ENGINE_TESTS_ENV}
     return _pytest(tree, ["-p", STAND_IN, *ENGINE_TESTS, *pytest_args], env, kwargs)
 
 

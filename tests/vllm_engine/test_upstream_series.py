@@ -39,6 +39,8 @@ pytest.importorskip("vllm")
 
 from tests.vllm_engine.generate_scenarios import scenario_run
 from tests.vllm_engine.real_engine import (
+    SERIES_PLANTED_BUG,
+    SERIES_PLANTS,
     UPSTREAM,
     assert_same_request,
     require_cpu_engine,
@@ -195,11 +197,14 @@ def test_vllms_tests_pass_with_the_series_exactly_as_without(vllm_test_tree):
 def test_the_graphs_on_engine_test_passes_on_the_cpu_stand_in(tmp_path):
     """0002's end-to-end test (vLLM's test_extraction_cudagraph.py) in the
     installed release's test tree, under its root conftest, on the CPU graph
-    stand-in (vllm_on_cpu/graph_engine_stand_in.py, a test fixture): an eager
-    engine and one with graphs, every saved file byte-identical, the
-    speculator's replays counted in the worker. With
-    CG_EXTRACT_SERIES_PLANTED_BUG=eager_speculator (the speculator never
-    replays) it fails."""
+    stand-in (vllm_on_cpu/graph_engine_stand_in.py, a test fixture), its
+    engine processes spawned as the CI job spawns them
+    (vllm_tests.ENGINE_TESTS_ENV): an eager engine and one with graphs,
+    every saved file byte-identical, the speculator's graphs those of the
+    engine's resolved mode and capture sizes, its replays counted in the
+    worker. With CG_EXTRACT_SERIES_PLANTED_BUG=eager_speculator (the
+    speculator never replays) or some_sizes (its largest size not
+    captured) it fails."""
     require_cpu_engine()
     import vllm
 
@@ -227,6 +232,14 @@ def test_the_graphs_on_engine_test_passes_on_the_cpu_stand_in(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1].startswith("1 passed"), proc.stdout[-500:]
+
+
+@pytest.mark.parametrize("plant", sorted(SERIES_PLANTS))
+def test_each_planted_bug_still_finds_its_line(plant, tmp_path, monkeypatch):
+    """The engine runs with a plant are by hand (each as long as the engine
+    test); that each still finds its line of 0002 is checked here."""
+    monkeypatch.setenv(SERIES_PLANTED_BUG, plant)
+    series_patches(tmp_path)
 
 
 @pytest.fixture(scope="module")
