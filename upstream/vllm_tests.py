@@ -50,6 +50,12 @@ ENGINE_TESTS = [
     "test_extraction_cudagraph.py"
 ]
 STAND_IN = "vllm_on_cpu.graph_engine_stand_in"
+# The series' unit tests that need CUDA run on a CPU stand-in for its graph
+# API (a test fixture, a pytest plugin of this checkout) in the selection's run.
+UNIT_STAND_IN = "vllm_on_cpu.graph_unit_stand_in"
+# What the CI job that collects them ("Extract Hidden States Integration",
+# .buildkite/test_areas/misc.yaml) exports.
+ENGINE_TESTS_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 # Folders of tests that import the modules the series touches.
 NEIGHBOURS = ("tests/v1/spec_decode", "tests/v1/worker")
 # The architecture (config.json) of each hub model the selection names.
@@ -138,8 +144,10 @@ def run(
     tree: Path, *pytest_args: str, env: dict[str, str] | None = None, **kwargs: Any
 ) -> subprocess.CompletedProcess:
     """pytest on :func:`selection` from ``tree`` (``kwargs`` to
-    ``subprocess.run``); returns the finished process."""
-    return _pytest(tree, [*selection(tree), "-k", KEYWORDS, *pytest_args], env, kwargs)
+    ``subprocess.run``), with :data:`UNIT_STAND_IN` (this checkout on
+    ``PYTHONPATH`` after the tree); returns the finished process."""
+    args = ["-p", UNIT_STAND_IN, *selection(tree), "-k", KEYWORDS, *pytest_args]
+    return _pytest(tree, args, env, kwargs)
 
 
 def run_engine_tests(
@@ -147,7 +155,8 @@ def run_engine_tests(
 ) -> subprocess.CompletedProcess:
     """pytest on :data:`ENGINE_TESTS` from ``tree``, on the CPU graph
     stand-in (:data:`STAND_IN`, which must import: this checkout on
-    ``PYTHONPATH`` after the tree)."""
+    ``PYTHONPATH`` after the tree), with :data:`ENGINE_TESTS_ENV`."""
+    env = {**(os.environ if env is None else env), **ENGINE_TESTS_ENV}
     return _pytest(tree, ["-p", STAND_IN, *ENGINE_TESTS, *pytest_args], env, kwargs)
 
 

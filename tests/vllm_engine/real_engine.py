@@ -72,6 +72,13 @@ SERIES_PLANTS = {
         "+        if self.cudagraph_manager is None or is_profile:\n",
         "+        if True:  # PLANTED BUG: the speculator always eager\n",
     ),
+    # the speculator captures all but its largest size (those steps eager)
+    "some_sizes": (
+        "+        manager.capture(\n",
+        "+        largest = manager._capture_descs[CUDAGraphMode.FULL].pop(0); "
+        "[c.remove(largest) for c in manager._candidates.values() if largest in c]; "
+        "manager.capture(  # PLANTED BUG: the largest size not captured\n",
+    ),
 }
 
 

@@ -40,6 +40,13 @@ And a STAND-IN for what a GPU keeps, for pipeline parallelism
   ``vllm.platforms.cpu`` is imported, in every process that builds a config
   (the API server and a headless node among them).
 
+And the CPU graph stand-in for vLLM's own engine tests
+(:mod:`vllm_on_cpu.graph_engine_stand_in`, a pytest plugin that sets it):
+
+* ``VLLM_ON_CPU_GRAPH_ENGINE_STAND_IN=1``: its ``install()`` once
+  ``vllm.engine.arg_utils`` is imported, so that an engine built in a spawned
+  test process gets the stand-in's arguments too.
+
 Two more, in every process where ``TRITON_INTERPRET=1``:
 
 * A STAND-IN for Triton's interpreter's limits: ``CpuPlatform.check_and_update_config``
@@ -185,8 +192,16 @@ def _check_version(vllm) -> None:
         )
 
 
+def _graph_engine_stand_in(module) -> None:
+    from vllm_on_cpu import graph_engine_stand_in
+
+    graph_engine_stand_in.install()
+
+
 if os.environ.get("VLLM_ON_CPU_ASYNC_SCHEDULING") == "1":
     _after_import("vllm.platforms.cpu", _keep_async_scheduling)
+if os.environ.get("VLLM_ON_CPU_GRAPH_ENGINE_STAND_IN") == "1":
+    _after_import("vllm.engine.arg_utils", _graph_engine_stand_in)
 if os.environ.get(EXPECT_VLLM):
     _after_import("vllm", _check_version)
 
