@@ -32,9 +32,7 @@ def _requires_cuda(mark: pytest.Mark) -> bool:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if any(map(_requires_cuda, item.own_markers)):
-            item.own_markers[:] = [
-                m for m in item.own_markers if not _requires_cuda(m)
-            ]
+            item.own_markers[:] = [m for m in item.own_markers if not _requires_cuda(m)]
             item.stash[_ON_FAKE] = True
 
 
@@ -54,7 +52,9 @@ def _fake_cuda_graphs(request: pytest.FixtureRequest):
         m.setattr(torch.cpu, "graph_pool_handle", cuda_graph.graph_pool_handle, False)
         # What a capture on CUDA syncs, streams and frees: a CPU's ops are
         # done when they return, and it has no stream to capture on.
-        m.setattr(cudagraph_utils, "graph_capture", lambda device: contextlib.nullcontext())
+        m.setattr(
+            cudagraph_utils, "graph_capture", lambda device: contextlib.nullcontext()
+        )
         m.setattr(cudagraph_utils, "current_stream", lambda: None)
         m.setattr(torch.accelerator, "synchronize", lambda *args: None)
         m.setattr(torch.accelerator, "empty_cache", lambda: None)
