@@ -38,11 +38,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.user_properties.append(("cpu_stand_in_for", REASON))
 
 
-@pytest.fixture(autouse=True)
-def _fake_cuda_graphs(request: pytest.FixtureRequest):
-    if not request.node.stash.get(_ON_FAKE, False):
-        yield
-        return
+@contextlib.contextmanager
+def fake_cuda_graphs():
+    """:mod:`vllm_on_cpu.cuda_graph`'s graph API and the host calls a CUDA
+    capture makes that a CPU lacks, in place until the block ends; yields the
+    ``MonkeyPatch`` that holds them (``upstream/count_ops_0002.py`` uses it)."""
     from vllm.forward_context import DPMetadata
     from vllm.v1.worker.gpu import cudagraph_utils
 
@@ -64,4 +64,13 @@ def _fake_cuda_graphs(request: pytest.FixtureRequest):
         # their reads (cuda_graph.host_work says why it must be told).
         make = staticmethod(cuda_graph.host_work(DPMetadata.make))
         m.setattr(DPMetadata, "make", make)
+        yield m
+
+
+@pytest.fixture(autouse=True)
+def _fake_cuda_graphs(request: pytest.FixtureRequest):
+    if not request.node.stash.get(_ON_FAKE, False):
+        yield
+        return
+    with fake_cuda_graphs():
         yield
