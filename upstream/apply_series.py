@@ -52,6 +52,16 @@ def touched(patch: Path) -> list[str]:
     ]
 
 
+def added(patch: Path) -> list[str]:
+    """The files ``patch`` creates."""
+    lines = patch.read_text().splitlines()
+    return [
+        new[len("+++ b/") :].strip()
+        for old, new in zip(lines, lines[1:])
+        if old == "--- /dev/null" and new.startswith("+++ b/")
+    ]
+
+
 def mirror(vllm: Path, out: Path) -> None:
     """``out/vllm``: the package as symlinks (or extracted, from a wheel)."""
     if vllm.suffix == ".whl":
