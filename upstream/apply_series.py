@@ -30,6 +30,7 @@ name on the line above patch 0001's import hunk.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import subprocess
@@ -57,7 +58,7 @@ def added(patch: Path) -> list[str]:
     lines = patch.read_text().splitlines()
     return [
         new[len("+++ b/") :].strip()
-        for old, new in zip(lines, lines[1:])
+        for old, new in itertools.pairwise(lines)
         if old == "--- /dev/null" and new.startswith("+++ b/")
     ]
 
