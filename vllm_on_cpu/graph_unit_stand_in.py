@@ -6,9 +6,11 @@ CPU, on a FAKE of ``torch.cuda``'s graph API.
 0002's unit tests (vLLM's ``test_extract_hidden_states_cudagraph.py``) skip
 what needs capture or replay without CUDA (``skipif(..., reason="requires
 CUDA")``), as vLLM's GPU tests do. Loaded from outside vLLM's tree
-(``upstream/vllm_tests.py``, in a session that collects only the series'
-tests), this plugin runs those same test bodies here: it drops that skip from
-every collected test and, around each such test only, puts in place
+(``upstream/vllm_tests.py``, whose run also collects vLLM's existing tests
+of what the series touches), this plugin runs those same test bodies here:
+it drops that skip from every collected test that carries it (in that run,
+0002's only: ``tests/vllm_engine/test_upstream_series.py`` checks which
+tests it ran, by name) and, around each such test only, puts in place
 :mod:`vllm_on_cpu.cuda_graph`'s fake graph API (a capture records the
 region's ops, a replay runs them again on the captured tensors) and the host
 calls a CUDA capture makes that a CPU lacks.
