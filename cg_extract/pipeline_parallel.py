@@ -1,5 +1,5 @@
 """Extraction across pipeline stages: the two places vLLM stops it, changed
-as little as works, and one check moved to where the config is built.
+for extraction alone, and what else it needs refused when the config is built.
 
 With pipeline parallelism only the last stage builds the speculator and holds
 the hidden-state layer and its cache. Earlier stages compute the aux hidden
@@ -7,7 +7,10 @@ states of their layers and send them on inside the intermediate tensors,
 which the last stage receives into the runner's persistent
 ``intermediate_tensors`` and hands to ``propose`` with its own. Decoders opt
 in with ``supports_aux_hidden_states_over_pp`` (Llama, Qwen2 and so Qwen3
-dense, ...). vLLM 0.32 and 0.33 still refuse extraction there:
+dense, ...); for any other target vLLM's own check refuses when the worker
+loads the model ("... does not support extract_hidden_states with pipeline
+parallelism"), and the engine stops. vLLM 0.32 and 0.33 refuse extraction
+there in two places:
 
 * **the draft's SupportsPP check.** The speculative config gives the draft of
   ``extract_hidden_states`` the target's parallel config and checks its
@@ -16,28 +19,24 @@ dense, ...). vLLM 0.32 and 0.33 still refuse extraction there:
   (their parallel config has ``pipeline_parallel_size=1``). The plugin answers
   vLLM's registry for that one architecture: it runs under pipeline
   parallelism (:func:`_install_draft_answer`).
-* **the KV connector on a stage without the layer.** Every hidden-states
-  connector (vLLM's ``ExampleHiddenStatesConnector``, the ``speculators``
-  project's FP8 and Mooncake ones) reads only the hidden-state cache and
-  asserts in ``register_kv_caches`` that its worker holds that layer; no
-  stage but the last does. So on such a stage the runner gets
+* **the KV connector on a stage without the layer.** A hidden-states
+  connector (:func:`is_hidden_states_connector`) reads only the hidden-state
+  cache and asserts in ``register_kv_caches`` that its worker holds that
+  layer; no stage but the last does. So on such a stage the runner gets
   :class:`HiddenStatesOnLastStage` in place of the connector, the runner's own
-  kind of KV connector, as it gets a no-op one while profiling: one change at
-  the runner, for every connector, none of whose code then runs there.
+  kind of KV connector, as it gets a no-op one while profiling: none of the
+  connector's code then runs there.
 
-vLLM checks the target's ``supports_aux_hidden_states_over_pp`` only when the
-worker loads the model. :func:`refuse_target_without_aux_relay` makes the same
-check when the config is built, where the user's other mistakes are reported.
+Lifting them must reach nothing else, so :func:`check_config` refuses, when
+the engine config is built, what the lifted paths cannot serve: vLLM's V1
+model runner (it builds the drafter on the last stage only, then calls it on
+every stage), and any connector but a hidden-states one (it may move the
+earlier stages' own KV cache, which the stand-in would silently drop).
 """
 
 from __future__ import annotations
 
-import ast
 import functools
-import inspect
-import sys
-import textwrap
-from pathlib import Path
 from typing import Any
 
 from vllm.v1.worker.gpu.kv_connector import KVConnector
@@ -45,8 +44,19 @@ from vllm.v1.worker.gpu.kv_connector import KVConnector
 from cg_extract.config import METHOD
 
 DRAFT_ARCHITECTURE = "ExtractHiddenStatesModel"
-# The flag vLLM's decoders set (EagleModelMixin), read where vLLM reads it.
-AUX_RELAY_FLAG = "supports_aux_hidden_states_over_pp"
+# The class attribute by which a connector declares it moves the hidden-state
+# cache alone (upstream/0003 defines it on vLLM's KVConnectorBase_V1).
+HIDDEN_STATES_ONLY = "hidden_states_only"
+# Hidden-states connectors that cannot have declared it yet: vLLM's, and
+# hs-connectors' (the speculators project's), by class; subclasses too.
+HIDDEN_STATES_CONNECTORS = frozenset(
+    {
+        "vllm.distributed.kv_transfer.kv_connector.v1."
+        "example_hidden_states_connector.ExampleHiddenStatesConnector",
+        "hs_connectors.fp8_hidden_states_connector.FP8HiddenStatesConnector",
+        "hs_connectors.mooncake_hidden_states_connector.MooncakeHiddenStatesConnector",
+    }
+)
 
 
 def extracts_across_stages(vllm_config: Any) -> bool:
@@ -144,6 +154,9 @@ class HiddenStatesOnLastStage(KVConnector):
     must hear from every stage, or they would never be freed. So this stage
     reports each finished request at once in the second case, as that
     connector's workers that write nothing do, and nothing in the first.
+    That leaves nothing counted in vLLM's aggregator because such a
+    connector delays every finished request (Mooncake's does), so the last
+    stage reports each one too.
     """
 
     def __init__(self, every_worker_reports: bool):
@@ -168,183 +181,48 @@ class HiddenStatesOnLastStage(KVConnector):
 
 
 # ----------------------------------------------------------------------
-# The target: does its decoder relay aux hidden states between stages?
+# What the lifted paths cannot serve, refused when the config is built
+
+
+def is_hidden_states_connector(connector_cls: type) -> bool:
+    """A connector that moves only the hidden-state cache, so that a stage
+    without it may run none of its hooks: one that declares it
+    (:data:`HIDDEN_STATES_ONLY`), or one of :data:`HIDDEN_STATES_CONNECTORS`
+    or a subclass."""
+    return getattr(connector_cls, HIDDEN_STATES_ONLY, False) is True or any(
+        f"{klass.__module__}.{klass.__qualname__}" in HIDDEN_STATES_CONNECTORS
+        for klass in connector_cls.__mro__
+    )
 
 
 def check_config(vllm_config: Any) -> None:
-    """Refuse, when the config is built, what extraction across pipeline
-    stages cannot do."""
+    """Refuse extraction across stages where vLLM's V1 model runner would
+    run, or a connector other than a hidden-states one."""
     if not extracts_across_stages(vllm_config):
         return
-    _refuse_target_without_aux_relay(vllm_config)
-    _refuse_connectors_of_other_layers(vllm_config)
-
-
-def _refuse_connectors_of_other_layers(vllm_config: Any) -> None:
-    """On a stage without the hidden-state layer the runner runs no KV
-    connector (:class:`HiddenStatesOnLastStage`). A MultiConnector may hold
-    one that moves the target's own KV cache, which those stages do need."""
-    transfer = vllm_config.kv_transfer_config
-    if transfer is not None and transfer.kv_connector == "MultiConnector":
-        pp = vllm_config.parallel_config.pipeline_parallel_size
-        raise ValueError(
-            f"kv_transfer_config kv_connector 'MultiConnector' with method "
-            f"'{METHOD}' and pipeline_parallel_size={pp}: cg_extract runs no KV "
-            "connector on the pipeline stages before the last, which hold no "
-            "hidden states, and a MultiConnector may hold a connector that "
-            "moves their KV cache. Use one hidden-states connector (e.g. "
-            "ExampleHiddenStatesConnector), or pipeline_parallel_size=1"
-        )
-
-
-def _refuse_target_without_aux_relay(vllm_config: Any) -> None:
-    """vLLM's load-time check (``verify_supports_aux_hidden_states_over_pp``),
-    made when the config is built. Where the decoder cannot be told from the
-    model's class (a multimodal wrapper, a decoder built some other way),
-    nothing is refused here and vLLM's own check stays the judge."""
-    model_config = vllm_config.model_config
-    model_cls, arch = model_config.registry.resolve_model_cls(
-        model_config.architectures, model_config=model_config
-    )
-    decoder = decoder_class(model_cls)
-    if decoder is None or getattr(decoder, AUX_RELAY_FLAG, False):
-        return
     pp = vllm_config.parallel_config.pipeline_parallel_size
-    raise ValueError(
-        f"pipeline_parallel_size={pp} with method '{METHOD}' needs a target "
-        "whose decoder passes its aux hidden states between pipeline stages "
-        f"(vLLM's {AUX_RELAY_FLAG}); {arch}'s decoder {decoder.__name__} does "
-        "not. Decoders that do, in this vLLM: "
-        f"{', '.join(relaying_decoders())}, and models built on them. Use "
-        "pipeline_parallel_size=1 with this model (tensor or data parallelism "
-        "split it too), or a model whose decoder is one of those"
-    )
-
-
-def decoder_class(model_cls: type) -> type | None:
-    """The class ``model_cls`` builds its ``self.model`` from, read from the
-    source of the first class of its MRO that assigns it: ``X(...)``,
-    ``self.model_cls(...)`` (a class attribute) or ``self.method(...)``
-    returning ``X(...)``. None for a multimodal model (vLLM reads its
-    language model's decoder) or where no such assignment is found."""
-    if hasattr(model_cls, "get_language_model") or hasattr(model_cls, "language_model"):
-        return None
-    for klass in model_cls.__mro__:
-        for call in _calls_assigned_to_self_model(klass):
-            found = _class_called(call.func, klass, model_cls)
-            if found is not None:
-                return found
-    return None
-
-
-def _parsed(obj: Any) -> ast.AST | None:
-    try:
-        return ast.parse(textwrap.dedent(inspect.getsource(obj)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-
-
-def _calls_assigned_to_self_model(klass: type) -> list[ast.Call]:
-    tree = _parsed(klass) if klass.__module__.startswith("vllm.") else None
-    if tree is None:
-        return []
-    return [
-        node.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Assign)
-        and isinstance(node.value, ast.Call)
-        and any(_is_self_attr(target, "model") for target in node.targets)
-    ]
-
-
-def _is_self_attr(node: ast.AST, name: str | None = None) -> bool:
-    return (
-        isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "self"
-        and (name is None or node.attr == name)
-    )
-
-
-def _class_called(func: ast.AST, klass: type, model_cls: type) -> type | None:
-    """The class a call in ``klass``'s source constructs: a name of its
-    module, a class attribute, or what a method of ``model_cls`` returns."""
-    if isinstance(func, ast.Name):
-        return _class_named(func.id, klass.__module__)
-    if not _is_self_attr(func):
-        return None
-    found = inspect.getattr_static(model_cls, func.attr, None)
-    if isinstance(found, type):
-        return found
-    tree = _parsed(found) if inspect.isfunction(found) else None
-    for node in ast.walk(tree) if tree is not None else ():
-        if (
-            isinstance(node, ast.Return)
-            and isinstance(node.value, ast.Call)
-            and isinstance(node.value.func, ast.Name)
-            and (returned := _class_named(node.value.func.id, found.__module__))
-        ):
-            return returned
-    return None
-
-
-def _class_named(name: str, module: str) -> type | None:
-    found = vars(sys.modules[module]).get(name)
-    return found if isinstance(found, type) else None
-
-
-@functools.cache
-def relaying_decoders() -> tuple[str, ...]:
-    """The decoder classes of the installed vLLM's models that set the flag,
-    and their subclasses that do not unset it, read from vLLM's source
-    (importing every model would take long, for an error message)."""
-    import vllm
-
-    root = Path(vllm.__file__).parent
-    sources = [
-        path.read_text(errors="replace")
-        for folder in ("model_executor/models", "models")
-        for path in sorted((root / folder).rglob("*.py"))
-    ]
-    parsed: dict[int, list[ast.ClassDef]] = {}
-    relaying: set[str] = set()
-    unset: set[str] = set()
-    while True:
-        grown = set(relaying)
-        for i, text in enumerate(sources):
-            if not any(name in text for name in relaying | {AUX_RELAY_FLAG}):
-                continue
-            if i not in parsed:
-                parsed[i] = [
-                    node
-                    for node in ast.walk(ast.parse(text))
-                    if isinstance(node, ast.ClassDef)
-                ]
-            for node in parsed[i]:
-                flag = _flag_set(node)
-                if flag is False:
-                    unset.add(node.name)
-                elif flag or any(
-                    isinstance(base, ast.Name) and base.id in relaying
-                    for base in node.bases
-                ):
-                    grown.add(node.name)
-        grown -= unset
-        if grown == relaying:
-            return tuple(sorted(relaying))
-        relaying = grown
-
-
-def _flag_set(node: ast.ClassDef) -> bool | None:
-    for statement in node.body:
-        targets = (
-            statement.targets
-            if isinstance(statement, ast.Assign)
-            else [statement.target]
-            if isinstance(statement, ast.AnnAssign)
-            else []
+    if not vllm_config.use_v2_model_runner:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} with method '{METHOD}' needs Model "
+            "Runner V2, and this config gets vLLM's V1 model runner, which "
+            "builds the drafter on the last stage only (its workers would "
+            "fail at start). Use Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1 "
+            "where vLLM can run it), or pipeline_parallel_size=1"
         )
-        if any(isinstance(t, ast.Name) and t.id == AUX_RELAY_FLAG for t in targets):
-            value = statement.value
-            return bool(value.value) if isinstance(value, ast.Constant) else None
-    return None
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None or transfer.kv_connector is None:
+        return
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if not is_hidden_states_connector(KVConnectorFactory.get_connector_class(transfer)):
+        raise ValueError(
+            f"kv_transfer_config kv_connector {transfer.kv_connector!r} with "
+            f"method '{METHOD}' and pipeline_parallel_size={pp}: the stages "
+            "before the last hold no hidden states and run no KV connector, "
+            "so a connector of other layers' KV cache would miss theirs. "
+            "Accepted: ExampleHiddenStatesConnector and its subclasses, "
+            "hs-connectors' FP8HiddenStatesConnector and "
+            "MooncakeHiddenStatesConnector, and connector classes that set "
+            f"{HIDDEN_STATES_ONLY} = True. Use one of them, or "
+            "pipeline_parallel_size=1"
+        )

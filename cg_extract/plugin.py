@@ -24,7 +24,9 @@ does, idempotently:
 * wraps ``GPUModelRunner.initialize_kv_cache`` to tell our speculator of each
   KV cache the runner initialises (the memory profiler's or the real one,
   whose size it logs);
-* lifts vLLM's two refusals of extraction across pipeline stages
+* lifts vLLM's two refusals of extraction across pipeline stages, for
+  extraction alone, and refuses when the config is built what that cannot
+  serve: the V1 runner, connectors other than hidden-states ones
   (:mod:`cg_extract.pipeline_parallel`).
 
 On any other vLLM our hooks cannot be trusted, so the plugin steps aside:

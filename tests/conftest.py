@@ -11,6 +11,8 @@ import pytest
 import torch
 
 EXPECT_VLLM = "CG_EXTRACT_EXPECT_VLLM"
+# Tests marked mrv2_process run in a child session on Model Runner V2.
+pytest_plugins = ["vllm_on_cpu.mrv2_process"]
 
 
 def pytest_configure(config):

@@ -133,8 +133,21 @@ class Run:
                 "evidence": evidence,
                 "stats_before": before,
                 "stats_after": self.stats(),
+                "sends_still_counted": self.sends_still_counted(),
             }
         return results
+
+    def sends_still_counted(self) -> list[str]:
+        """The requests whose finished sends vLLM's executor still counts
+        (``KVOutputAggregator``) after up to :data:`FLUSH_STEPS` more steps:
+        none, once each worker that reports a request has reported it."""
+        engine_core = self.llm.llm_engine.engine_core.engine_core
+        aggregator = engine_core.model_executor.kv_output_aggregator
+        for _ in range(FLUSH_STEPS):
+            if aggregator is None or not aggregator._send_remaining_count:
+                break
+            self.llm.llm_engine.step()
+        return sorted(aggregator._send_remaining_count) if aggregator else []
 
     def flush(self, requests: list[dict[str, Any]]) -> None:
         """Step until every request's file is written and unlocked: the

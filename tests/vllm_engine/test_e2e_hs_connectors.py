@@ -10,9 +10,9 @@ decode scenario with the FP8 connector, whose decode steps replay graphs,
 saving the generated tokens' rows too. Their FP8 files must be byte-identical,
 and the package's own reader (``hs_connectors.transfer.FP8Transfer``) must
 give back each request's tokens and dequantized hidden states. Ours with
-graphs runs it once more with the Mooncake connector, on a local Mooncake
-store, read back with ``MooncakeTransfer``: full-precision samples, which
-must quantize to the FP8 files' bytes.
+graphs runs it once more with the Mooncake connector, across two pipeline
+stages, on a local Mooncake store, read back with ``MooncakeTransfer``:
+full-precision samples, which must quantize to the FP8 files' bytes.
 """
 
 import pytest
@@ -32,7 +32,7 @@ from tests.vllm_engine.cpu_mooncake_hidden_states_connector import mooncake_mast
 from tests.vllm_engine.generate_scenarios import scenario_run
 from tests.vllm_engine.real_engine import require_cpu_engine, run_engines
 from tests.write_cases import same_bytes
-from vllm_on_cpu.engine import AUX_LAYER_IDS, WAYS
+from vllm_on_cpu.engine import AUX_LAYER_IDS, WAYS, pipeline_env
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +56,15 @@ def runs(model_dir, tmp_path_factory):
     runs = {way: scenario_run(f"fp8_{way}", way, *common, "fp8") for way in WAYS}
     with mooncake_master(*free_ports(2), workdir / "mooncake_master.log") as master:
         runs["mooncake"] = scenario_run(
-            "mooncake", "graphs", *common, "mooncake", "--mooncake-master", master
+            "mooncake",
+            "graphs",
+            *common,
+            "mooncake",
+            "--mooncake-master",
+            master,
+            "--pipeline-parallel-size",
+            "2",
+            **pipeline_env("graphs"),
         )
         run_engines([run.engine for run in runs.values()], timeout=600)
     return {name: run.results()[SCENARIO] for name, run in runs.items()}
@@ -111,12 +119,13 @@ def test_the_packages_reader_reads_them(runs, model_dir):
 
 
 def test_mooncake_samples_are_the_fp8_files_before_quantizing(runs):
-    """What ``MooncakeTransfer`` reads back (ours with graphs, full precision)
-    quantized with the package's own FP8 quantizer gives the FP8 files' bytes."""
+    """What ``MooncakeTransfer`` reads back (ours with graphs, the last of two
+    stages, full precision) quantized with the package's own FP8 quantizer
+    gives the FP8 files' bytes."""
     from hs_connectors.fp8_utils import quantize_tensor_to_fp8
 
-    (stats,) = runs["mooncake"]["stats_after"]
-    assert stats["stats"]["copy_in_replays"] > 0
+    first, last = runs["mooncake"]["stats_after"]
+    assert first is None and last["stats"]["copy_in_replays"] > 0
     samples, fp8 = runs["mooncake"]["requests"], runs["vllm"]["requests"]
     assert len(samples) == len(fp8) > 0
     for i, (got, want) in enumerate(zip(samples, fp8, strict=True)):
@@ -128,6 +137,17 @@ def test_mooncake_samples_are_the_fp8_files_before_quantizing(runs):
         states, scales = quantize_tensor_to_fp8(sample["hidden_states"])
         assert same_bytes(states, file["hidden_states"]), f"request {i}"
         assert same_bytes(scales, file["hidden_states_scales"]), f"request {i}"
+
+
+def test_every_worker_counted_leaves_no_send_counted(runs):
+    """Mooncake's connector counts every worker (``get_finished_count()`` is
+    None), so the stage without the hidden-state layer reports each finished
+    request at once (:class:`cg_extract.pipeline_parallel.HiddenStatesOnLastStage`).
+    That leaves nothing in vLLM's aggregator only because the connector delays
+    the blocks of every finished request, each reported by the last stage in
+    turn: after the requests, no send is still counted."""
+    assert runs["mooncake"]["sends_still_counted"] == []
+    assert all(run["sends_still_counted"] == [] for run in runs.values())
 
 
 def test_free_ports_are_different():

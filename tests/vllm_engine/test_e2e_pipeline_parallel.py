@@ -20,6 +20,11 @@ server with the first stage, a headless node 1 with the second, ours with
 (emulated) graphs, driven by the users' client. Every engine across stages
 keeps async scheduling on, as a GPU does (a STAND-IN on a CPU, see
 :func:`vllm_on_cpu.engine.pipeline_env`).
+
+Beside them, what the plugin must leave alone: vLLM's ``ExampleConnector``
+saving the target's own KV at PP=2 without extraction, with the plugin and
+without it; and a target whose decoder relays no aux hidden states, which
+vLLM's own load-time check stops.
 """
 
 import pytest
@@ -28,7 +33,10 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import asyncio
 import contextlib
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
+
+from safetensors.torch import load_file
 
 from tests.model_families import write_family_dir
 from tests.openai_server import free_port, request, serve
@@ -46,6 +54,7 @@ from tests.vllm_engine.real_engine import (
     run_engines,
 )
 from tests.vllm_engine.users_client import fetch_all
+from tests.write_cases import same_bytes
 from vllm_on_cpu import step_log
 from vllm_on_cpu.engine import (
     EngineRun,
@@ -53,6 +62,7 @@ from vllm_on_cpu.engine import (
     engine_env,
     engine_kwargs,
     load_saved,
+    log_tail,
     pipeline_env,
     stop,
 )
@@ -123,15 +133,76 @@ def staged_runs(model_dir, workdir, pp, ways, *reference_scenarios, **env):
     return reference, staged
 
 
+TARGET_KV = """
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(**{kwargs!r})
+prompts = [list(range(1 + i, 41 + 7 * i)) for i in range(3)]
+llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+             SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+"""
+
+
+def target_kv_runs(model_dir, workdir):
+    """vLLM's ``ExampleConnector`` saving the target's KV of every layer at
+    PP=2, no speculative config: with the plugin loaded and without."""
+    runs = {}
+    for name, way in [("plugin", "eager"), ("vllm", "vllm")]:
+        kwargs = engine_kwargs(way, model_dir, workdir, pipeline_parallel_size=PP)
+        del kwargs["speculative_config"], kwargs["worker_cls"]
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "shared_storage_path": str(workdir / f"target_kv_{name}")
+            },
+        }
+        script = TARGET_KV.format(kwargs=kwargs)
+        env = engine_env(way, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        runs[name] = EngineRun(["-c", script], env, workdir / f"target_kv_{name}.log")
+    return runs
+
+
+def no_relay_run(workdir):
+    """Extraction at PP=2, ours eagerly, from a Qwen3-MoE, whose decoder
+    relays no aux hidden states between stages."""
+    model_dir = write_family_dir(workdir / "qwen3_moe", "qwen3_moe")
+    return scenario_run(
+        "no_relay",
+        "eager",
+        model_dir,
+        workdir,
+        "--scenarios",
+        "decode",
+        "--pipeline-parallel-size",
+        str(PP),
+        **pipeline_env("eager"),
+    ).engine
+
+
+def exit_of(run: EngineRun, timeout: float) -> int | None:
+    """The exit code of ``run`` (None: still running after ``timeout``)."""
+    proc = run.start()
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        stop(proc, grace=5.0)
+
+
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory):
     require_cpu_engine()
     workdir = tmp_path_factory.mktemp("e2e_pp")
     reference, staged = staged_runs(model_dir, workdir, PP, WAYS, *CLIENT_WAVES)
+    target_kv = target_kv_runs(model_dir, workdir)
+    no_relay = no_relay_run(workdir)
     engines = [reference.engine, *(r.engine for r in staged.values())]
     # The engines run while the two nodes start: both keep the cores busy.
-    with ThreadPoolExecutor(1) as pool:
-        ran = pool.submit(run_engines, engines, 600)
+    with ThreadPoolExecutor(2) as pool:
+        ran = pool.submit(run_engines, [*engines, *target_kv.values()], 600)
+        no_relay_exit = pool.submit(exit_of, no_relay, 300)
         with two_nodes(model_dir, workdir) as base_url:
             served = {
                 wave: asyncio.run(fetch_all(base_url, str(model_dir), prompts()))
@@ -142,6 +213,8 @@ def runs(model_dir, tmp_path_factory):
             )
         ran.result()
     return {
+        "no_relay": (no_relay_exit.result(), no_relay.log),
+        "target_kv": {name: workdir / f"target_kv_{name}" for name in target_kv},
         "reference": reference.results(),
         "staged": {way: run.results() for way, run in staged.items()},
         "served": served,
@@ -244,6 +317,35 @@ def test_the_headless_node_ran_our_graphs(runs):
     assert f"Worker_PP{PP - 1}" in capture, capture
     node0 = (runs["workdir"] / "node0.log").read_text(errors="replace")
     assert CAPTURE_LINE not in node0
+
+
+def test_a_connector_of_the_targets_kv_saves_every_layer_as_without_the_plugin(runs):
+    """No extraction: the plugin changes nothing for ExampleConnector, which
+    saves each layer's KV on the stage that holds it."""
+    plugin, vllm = (
+        {
+            str(path.relative_to(folder)): load_file(path)
+            for path in sorted(folder.rglob("*.safetensors"))
+        }
+        for folder in (runs["target_kv"]["plugin"], runs["target_kv"]["vllm"])
+    )
+    layers = {name.split("/")[-1].removesuffix(".safetensors") for name in vllm}
+    assert layers == {f"model.layers.{i}.self_attn.attn" for i in range(4)}
+    assert sorted(plugin) == sorted(vllm) and len(vllm) == 3 * 4
+    for name, tensors in vllm.items():
+        assert tensors.keys() == plugin[name].keys(), name
+        assert all(same_bytes(plugin[name][k], t) for k, t in tensors.items()), name
+
+
+def test_a_target_that_relays_no_aux_states_is_stopped_by_vllms_check(runs):
+    """vLLM's load-time check reaches the user and the engine stops."""
+    exit_code, log = runs["no_relay"]
+    assert exit_code not in (0, None), log_tail(log)  # None: it hung
+    message = (
+        "Qwen3MoeForCausalLM does not support extract_hidden_states with "
+        "pipeline parallelism"
+    )
+    assert message in log.read_text(errors="replace"), log_tail(log)
 
 
 # --------------------------------------------------------------------------

