@@ -40,7 +40,7 @@ EXISTING = [
     # The speculative method's config and the V2 runner's choice.
     "tests/test_config.py",
 ]
-KEYWORDS = "extract_hidden_states or v2_model_runner"
+KEYWORDS = "extract_hidden_states or v1_model_runner or v2_model_runner or kv_connector"
 # The series' engine tests: vLLM's real engine with CUDA graphs on. Here they
 # run on the CPU graph stand-in (a test fixture, a pytest plugin of this
 # checkout), in a pytest run of their own (:func:`run_engine_tests`); the
