@@ -40,10 +40,14 @@ PATCHED = [
         "ExtractHiddenStatesSpeculator",
     ),
     # Pipeline parallelism (cg_extract/pipeline_parallel.py): wrapped, and
-    # what it reads to find a target's decoder and how a connector counts.
+    # what it reads to tell the runner and the connector and how it counts.
     ("vllm.model_executor.models.registry", "_ModelRegistry.is_pp_supported_model"),
-    ("vllm.model_executor.models.registry", "_ModelRegistry.resolve_model_cls"),
     ("vllm.v1.worker.gpu.model_runner", "get_kv_connector"),
+    ("vllm.config", "VllmConfig.use_v2_model_runner"),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.factory",
+        "KVConnectorFactory.get_connector_class",
+    ),
     (
         "vllm.distributed.kv_transfer.kv_connector.v1.base",
         "KVConnectorBase_V1.get_finished_count",

@@ -125,7 +125,7 @@ def test_the_cuda_steps_verdicts_with_stand_in_results(
 def test_an_unguarded_vllm_import_makes_the_rehearsal_fail(tmp_path):
     repo = tmp_path / "repo"
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for part in ("cg_extract", "compat", "perf", "tests"):
+    for part in ("cg_extract", "compat", "perf", "tests", "vllm_on_cpu"):
         shutil.copytree(ROOT / part, repo / part, ignore=skip)
     shutil.copy(ROOT / "pyproject.toml", repo)
     # In a level's folder, as a new test would be: the check collects tests/ whole.
