@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import socket
 import time
 import urllib.error
@@ -25,17 +26,29 @@ import pytest
 from vllm_on_cpu.engine import EngineRun, cli_args, stop
 
 HOST = "127.0.0.1"
+# The lowest port handed out: below it sit ports machines run services on.
+LOWEST_PORT = 20000
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` different free ports: each socket stays bound until all are, so
-    the kernel cannot hand one port out twice (ports freed one at a time
-    can come back)."""
+    """``n`` different free ports below the kernel's ephemeral range, each
+    held bound until all are found. A port the kernel handed out (bind to
+    port 0) may be handed to another process's ``connect`` before its user
+    binds it, a minute later for a node's master port: one was taken so
+    while other engines started beside two vLLM nodes (EADDRINUSE)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    found: list[int] = []
     with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in sockets]
+        for port in random.Random().sample(range(LOWEST_PORT, low), low - LOWEST_PORT):
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            found.append(port)
+            if len(found) == n:
+                return found
+    raise RuntimeError(f"fewer than {n} free ports in [{LOWEST_PORT}, {low})")
 
 
 def free_port() -> int:
