@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -248,11 +249,10 @@ def test_another_method_keeps_vllms_connector_on_every_stage(tmp_path):
 # The runner's connector on a stage without the hidden-state layer
 
 
+@contextlib.contextmanager
 def _kv_transfer_group(cfg, kv_cache_config=None):
     """The worker's connector, made as the worker makes it, in a process
     group; shut down on exit."""
-    import contextlib
-
     from vllm.distributed.kv_transfer.kv_transfer_state import (
         ensure_kv_transfer_initialized,
         ensure_kv_transfer_shutdown,
@@ -260,16 +260,12 @@ def _kv_transfer_group(cfg, kv_cache_config=None):
 
     from vllm_on_cpu.harness import single_process_group
 
-    @contextlib.contextmanager
-    def group():
-        with single_process_group(cfg):
-            ensure_kv_transfer_initialized(cfg, kv_cache_config)
-            try:
-                yield
-            finally:
-                ensure_kv_transfer_shutdown()
-
-    return group()
+    with single_process_group(cfg):
+        ensure_kv_transfer_initialized(cfg, kv_cache_config)
+        try:
+            yield
+        finally:
+            ensure_kv_transfer_shutdown()
 
 
 def drive(runner_connector) -> None:
