@@ -22,15 +22,14 @@ SPECULATIVE_CONFIG = "speculative config"
 ADDITIONAL_CONFIG = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
 
 
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
 @dataclass(frozen=True)
 class ExtractGraphConfig:
     cudagraph: bool = False
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     cudagraph_backend: str = "auto"
+    # Not a graph key: it changes vLLM's KV-cache grouping
+    # (cg_extract.kv_cache_groups).
+    split_kv_cache_groups: bool = False
 
     @classmethod
     def from_dict(
@@ -41,12 +40,13 @@ class ExtractGraphConfig:
         unknown = sorted(set(options) - set(KEYS))
         if unknown:
             raise ValueError(_unknown_key_message(unknown, where))
-        cudagraph = options.get("cudagraph", False)
-        if not _is_bool(cudagraph):
-            raise ValueError(
-                f"{where} key 'cudagraph' must be true or false, "
-                f"got {cudagraph!r} ({type(cudagraph).__name__})"
-            )
+        for name in ("cudagraph", "split_kv_cache_groups"):
+            value = options.get(name, False)
+            if not isinstance(value, bool):
+                raise ValueError(
+                    f"{where} key {name!r} must be true or false, "
+                    f"got {value!r} ({type(value).__name__})"
+                )
         backend = options.get("cudagraph_backend", "auto")
         if backend not in BACKENDS:
             raise ValueError(
@@ -56,7 +56,12 @@ class ExtractGraphConfig:
         sizes = options.get("cudagraph_capture_sizes")
         if sizes is not None:
             sizes = _validate_sizes(sizes, where)
-        return cls(cudagraph, sizes, backend)
+        return cls(
+            options.get("cudagraph", False),
+            sizes,
+            backend,
+            options.get("split_kv_cache_groups", False),
+        )
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> ExtractGraphConfig:

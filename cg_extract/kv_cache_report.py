@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from cg_extract.cache_size import (
     Parallelism,
     WidestGroup,
 )
+from cg_extract.kv_cache_groups import vllm_layout
 
 
 def hidden_state_cache_size(
@@ -112,7 +112,7 @@ def kv_capacity(
         if name != layer_name
     }
     memory, budget = _budget(vllm_config, kv_cache_config)
-    layout = _vllm_kv_cache_config(without, specs, memory)
+    (layout,) = vllm_layout(without, [specs], [memory])
     tokens_without, concurrency_without = get_kv_cache_capacity(without, layout)
     extras = tuple(
         MambaExtra(i, _request_pages(vllm_config, g) - _request_pages(without, plain))
@@ -240,34 +240,3 @@ def _budget(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[in
         f"on the {allocated} bytes allocated here (vLLM profiled the budget, "
         "and without extraction would profile its own)"
     )
-
-
-def _vllm_kv_cache_config(
-    vllm_config: VllmConfig, specs: dict[str, Any], memory: int
-) -> KVCacheConfig:
-    """vLLM's own layout of one worker's ``specs`` on ``memory`` bytes, as
-    its engine core makes it; its logs about that hypothetical layout
-    (overrides, padding layers) are kept out of the engine's."""
-    try:  # vLLM 0.33: the groups are made first
-        from vllm.v1.core.kv_cache_planning import (
-            get_global_kv_cache_groups,
-            get_kv_cache_configs,
-        )
-    except ImportError:  # vLLM 0.32
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
-        def layout() -> KVCacheConfig:
-            return get_kv_cache_configs(vllm_config, [dict(specs)], [memory])[0]
-
-    else:
-
-        def layout() -> KVCacheConfig:
-            groups = get_global_kv_cache_groups(vllm_config, [dict(specs)])
-            return get_kv_cache_configs(vllm_config, [specs], [memory], groups)[0]
-
-    vllm_log = logging.getLogger(get_kv_cache_configs.__module__)
-    disabled, vllm_log.disabled = vllm_log.disabled, True
-    try:
-        return layout()
-    finally:
-        vllm_log.disabled = disabled

@@ -24,6 +24,10 @@ does, idempotently:
 * wraps ``GPUModelRunner.initialize_kv_cache`` to tell our speculator of each
   KV cache the runner initialises (the memory profiler's or the real one,
   whose size it logs);
+* wraps vLLM's ``get_kv_cache_groups`` for the ``split_kv_cache_groups``
+  key, and the engine core's ``get_kv_cache_configs`` to name the key where
+  vLLM refuses to start for lack of KV memory
+  (:mod:`cg_extract.kv_cache_groups`);
 * lifts vLLM's two refusals of extraction across pipeline stages, for
   extraction alone, and refuses when the config is built what that cannot
   serve: the V1 runner, connectors other than hidden-states ones
@@ -89,9 +93,10 @@ def register() -> None:
     _install_speculator()
     _publish_target_graph_outputs()
     _tell_speculator_of_each_kv_cache()
-    from cg_extract import pipeline_parallel
+    from cg_extract import kv_cache_groups, pipeline_parallel
 
     pipeline_parallel.install()
+    kv_cache_groups.install()
 
 
 def _tested() -> str:
@@ -314,7 +319,7 @@ def _move_our_keys(engine_args: Any) -> dict[str, str]:
 def _validate(vllm_config: Any, sources: dict[str, str]) -> None:
     import torch
 
-    from cg_extract import pipeline_parallel
+    from cg_extract import kv_cache_groups, pipeline_parallel
     from cg_extract.config import ExtractGraphConfig
 
     graph_config = ExtractGraphConfig.from_vllm_config(vllm_config)
@@ -322,6 +327,7 @@ def _validate(vllm_config: Any, sources: dict[str, str]) -> None:
         vllm_config, cuda_available=torch.cuda.is_available(), sources=sources
     )
     pipeline_parallel.check_config(vllm_config)
+    kv_cache_groups.check_config(vllm_config)
     if graph_config.cudagraph and not vllm_config.use_v2_model_runner:
         logger.warning(
             "'cudagraph': true has no effect here: this engine will run vLLM's "

@@ -1,0 +1,282 @@
+"""The ``split_kv_cache_groups`` key: the hidden-state layer's KV-cache group
+billed at its own width.
+
+On vLLM's uniform-page-size path (hybrid targets: sliding window beside full
+attention, Mamba or linear attention beside attention) the hidden-state layer
+gets a KV-cache group of its own, every group draws its blocks from one pool
+whose blocks are as wide as the widest group (its layers' pages side by
+side), and admission and capacity charge a whole pool block for each block a
+group holds. A one-layer hidden-state group beside 24-layer groups is billed
+24 pages for each page it uses: a Kimi-K3 at TP=16 cannot start
+(vllm-project/vllm#56774). With the key, the target's groups are split into
+one-layer groups, so a pool block is one page; the target's layers take the
+same bytes a request as before, in more groups, each with its per-step work
+(docs/design.md, "Splitting the KV-cache groups").
+
+vLLM groups the layers in ``get_kv_cache_groups`` (0.32:
+``vllm.v1.core.kv_cache_utils``; 0.33: ``vllm.v1.core.kv_cache_planning``,
+which its default ``KVCacheConfigBuilder`` calls), in the engine core and in
+each worker's profiling layout; :func:`install` wraps it there and splits
+what it returns. The split is the one vLLM's own path would make had it
+grouped one layer a group before adding the hidden-state layer (the page,
+the hidden-state block size and any scaling depend only on the groups' specs,
+which splitting keeps).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+from cg_extract import get_logger
+from cg_extract.config import ADDITIONAL_CONFIG_KEY, ExtractGraphConfig
+
+logger = get_logger(__name__)
+
+KEY = "split_kv_cache_groups"
+DEFAULT_BUILDER = "vllm.v1.core.kv_cache_planning.DefaultKVCacheConfigBuilder"
+
+
+def asked(vllm_config: Any) -> bool:
+    """Whether the user gave the key true (only with extraction: the config
+    refuses our keys with any other method)."""
+    return ExtractGraphConfig.from_vllm_config(vllm_config).split_kv_cache_groups
+
+
+def with_key(vllm_config: Any, value: bool) -> Any:
+    """A shallow copy of ``vllm_config`` with the key set to ``value``."""
+    other = copy.copy(vllm_config)
+    additional = dict(vllm_config.additional_config or {})
+    additional[ADDITIONAL_CONFIG_KEY] = {
+        **additional.get(ADDITIONAL_CONFIG_KEY, {}),
+        KEY: value,
+    }
+    other.additional_config = additional
+    return other
+
+
+def why_unsplit(groups: list[Any]) -> str | None:
+    """Why splitting ``groups`` (vLLM's grouping with a hidden-state layer)
+    would change nothing; None when it would."""
+    hidden = [g for g in groups if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
+    if not hidden or hidden[0].kv_cache_spec.page_size_padded is None:
+        # vLLM pads the layer's page to the common one on the uniform-page-
+        # size path alone; elsewhere it shares the target's block table
+        # (all-attention targets) or is strided by the widest group.
+        return (
+            "the hidden-state layer has no KV-cache group of its own on vLLM's "
+            "uniform-page-size path, so it is billed no pool width"
+        )
+    if all(len(g.layer_names) == 1 for g in groups):
+        return "the target's KV-cache groups have one layer each already"
+    return None
+
+
+def split(groups: list[Any]) -> list[Any]:
+    """``groups`` with each of the target's split into one-layer groups, in
+    order; the hidden-state group as it is. Unchanged where :func:`why_unsplit`
+    gives a reason."""
+    if why_unsplit(groups) is not None:
+        return groups
+    return [
+        dataclasses.replace(group, layer_names=[name])
+        for group in groups
+        for name in group.layer_names
+    ]
+
+
+def check_config(vllm_config: Any) -> None:
+    """Refuse the key where the groups it splits would not be vLLM's
+    default grouping on one pipeline stage."""
+    if not asked(vllm_config):
+        return
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        raise ValueError(
+            f"{KEY} needs pipeline_parallel_size 1, got {pp}: a one-layer group "
+            "whose layer is on another stage would still hold pool blocks on "
+            f"this one. Drop {KEY}, or use pipeline_parallel_size 1"
+        )
+    model = vllm_config.model_config
+    if getattr(model, "supports_kv_cache_grouping", False):
+        raise ValueError(
+            f"{KEY}: {model.architectures[0]} groups its own KV cache layers "
+            f"(SupportsKVCacheGrouping), so cg_extract cannot split them; drop {KEY}"
+        )
+    builder = _builder_grouping(vllm_config)
+    if builder is not None:
+        raise ValueError(
+            f"{KEY}: this platform's KV-cache config builder, {builder}, groups "
+            f"the layers itself, so cg_extract cannot split them; drop {KEY}"
+        )
+
+
+def _builder_grouping(vllm_config: Any) -> str | None:
+    """The platform's KV-cache config builder (vLLM 0.33), where it groups the
+    layers otherwise than vLLM's default builder."""
+    from vllm.platforms import current_platform
+
+    resolve = getattr(current_platform, "get_kv_cache_config_builder_cls", None)
+    if resolve is None:  # vLLM 0.32: no builders
+        return None
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    name = resolve(vllm_config)
+    default = resolve_obj_by_qualname(DEFAULT_BUILDER)
+    builder = resolve_obj_by_qualname(name)
+    if builder.get_kv_cache_groups is default.get_kv_cache_groups:
+        return None
+    return name
+
+
+def _grouping_module() -> Any:
+    try:  # vLLM 0.33
+        from vllm.v1.core import kv_cache_planning as module
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core import kv_cache_utils as module
+    return module
+
+
+def original_grouping() -> Callable[..., list[Any]]:
+    """vLLM's ``get_kv_cache_groups``, even after :func:`install`."""
+    grouping = _grouping_module().get_kv_cache_groups
+    return getattr(grouping, "__wrapped__", grouping)
+
+
+def install() -> None:
+    """Idempotent; on a tested vLLM only."""
+    module = _grouping_module()
+    original = module.get_kv_cache_groups
+    if getattr(original, "_cg_extract", False):
+        return
+
+    @functools.wraps(original)
+    def get_kv_cache_groups(vllm_config: Any, kv_cache_spec: Any) -> list[Any]:
+        groups = original(vllm_config, kv_cache_spec)
+        return split(groups) if asked(vllm_config) else groups
+
+    get_kv_cache_groups._cg_extract = True  # type: ignore[attr-defined]
+    module.get_kv_cache_groups = get_kv_cache_groups
+    _install_engine_core_layout()
+
+
+def _install_engine_core_layout() -> None:
+    """Wrap the ``get_kv_cache_configs`` the engine core calls (the name it
+    imported): it says once what the key did, or why it did nothing, and
+    adds the key to vLLM's refusal for lack of KV memory where the split
+    layout would start."""
+    from vllm.v1.engine import core
+
+    original = core.get_kv_cache_configs
+    if getattr(original, "_cg_extract", False):
+        return
+
+    @functools.wraps(original)
+    def get_kv_cache_configs(
+        vllm_config: Any,
+        kv_cache_specs: list[dict[str, Any]],
+        available_memory: list[int],
+        *args: Any,
+        **kwargs: Any,
+    ) -> list[Any]:
+        try:
+            configs = original(
+                vllm_config, kv_cache_specs, available_memory, *args, **kwargs
+            )
+        except ValueError as error:
+            hint = refusal_hint(vllm_config, kv_cache_specs, available_memory)
+            if hint:
+                error.args = (f"{error.args[0] if error.args else error} {hint}",)
+            raise
+        if asked(vllm_config):
+            _say_what_splitting_did(vllm_config, kv_cache_specs)
+        return configs
+
+    get_kv_cache_configs._cg_extract = True  # type: ignore[attr-defined]
+    core.get_kv_cache_configs = get_kv_cache_configs
+
+
+def _merged(kv_cache_specs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {name: spec for specs in kv_cache_specs for name, spec in specs.items()}
+
+
+def _say_what_splitting_did(vllm_config: Any, kv_cache_specs: list[dict]) -> None:
+    groups = original_grouping()(vllm_config, _merged(kv_cache_specs))
+    why = why_unsplit(groups)
+    if why is not None:
+        logger.warning("%s is true but changes nothing here: %s", KEY, why)
+        return
+    logger.info(
+        "%s: the target's %d KV-cache groups split into %d one-layer groups; the "
+        "hidden-state group is billed one page a block",
+        KEY,
+        len(groups) - 1,
+        len(split(groups)) - 1,
+    )
+
+
+def refusal_hint(
+    vllm_config: Any, kv_cache_specs: list[dict[str, Any]], memory: list[int]
+) -> str | None:
+    """For vLLM's refusal to start for lack of KV memory with extraction: the
+    capacity the key would give, where it is off, would split the groups and
+    the split layout starts."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    spec = vllm_config.speculative_config
+    if asked(vllm_config) or spec is None or spec.method != "extract_hidden_states":
+        return None
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        return None
+    if why_unsplit(original_grouping()(vllm_config, _merged(kv_cache_specs))):
+        return None
+    split_config = with_key(vllm_config, True)
+    split_config.model_config = copy.copy(vllm_config.model_config)
+    try:
+        layout, *_ = vllm_layout(split_config, kv_cache_specs, memory)
+    except ValueError:
+        return None
+    tokens, concurrency = get_kv_cache_capacity(split_config, layout)
+    return (
+        f"With extraction, {KEY}: true would start: {tokens:,} tokens, "
+        f"{concurrency:.2f}x (docs/design.md#splitting-the-kv-cache-groups)."
+    )
+
+
+def vllm_layout(
+    vllm_config: Any, kv_cache_specs: list[dict[str, Any]], memory: list[int]
+) -> list[Any]:
+    """vLLM's own layout of the workers' ``kv_cache_specs`` on ``memory``
+    bytes each, as its engine core makes it, for a config that is not the
+    engine's: vLLM's logs about it are kept out of the engine's."""
+    import logging
+
+    specs = [dict(one) for one in kv_cache_specs]  # vLLM may unify them in place
+    try:  # vLLM 0.33: the groups are made first
+        from vllm.v1.core.kv_cache_planning import (
+            get_global_kv_cache_groups,
+            get_kv_cache_configs,
+        )
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        def layout() -> list[Any]:
+            return get_kv_cache_configs(vllm_config, specs, memory)
+
+    else:
+
+        def layout() -> list[Any]:
+            groups = get_global_kv_cache_groups(vllm_config, specs)
+            return get_kv_cache_configs(vllm_config, specs, memory, groups)
+
+    vllm_log = logging.getLogger(get_kv_cache_configs.__module__)
+    disabled, vllm_log.disabled = vllm_log.disabled, True
+    try:
+        return layout()
+    finally:
+        vllm_log.disabled = disabled
