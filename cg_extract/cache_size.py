@@ -127,6 +127,9 @@ class HiddenStateCacheSize:
     request_blocks: tuple[int, int] | None = None
     max_model_len: int | None = None
     parallelism: Parallelism = Parallelism()
+    # The target's capacity (tokens, requests at once) were the groups split
+    # (split_kv_cache_groups), where that key is off and could be on.
+    split_capacity: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -355,7 +358,14 @@ class HiddenStateCacheSize:
                     else ""
                 )
             )
-        if width:
+        if width and self.split_capacity is not None:
+            tokens, concurrency = self.split_capacity
+            ways.append(
+                '"split_kv_cache_groups": true bills the group at its own width: '
+                f"{tokens:,} tokens, {concurrency:.2f}x "
+                "(docs/design.md#splitting-the-kv-cache-groups)"
+            )
+        elif width:
             ways.append(
                 "the pool width goes with a vLLM that bills the group at its own "
                 "width (vllm-project/vllm#56822)"

@@ -20,6 +20,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
 
+from cg_extract import kv_cache_groups
 from cg_extract.cache_size import (
     HiddenStateCacheSize,
     KVCapacity,
@@ -28,7 +29,6 @@ from cg_extract.cache_size import (
     Parallelism,
     WidestGroup,
 )
-from cg_extract.kv_cache_groups import vllm_layout
 
 
 def hidden_state_cache_size(
@@ -37,13 +37,16 @@ def hidden_state_cache_size(
     num_aux_layers: int,
     dtype: torch.dtype,
     kv_cache_config: KVCacheConfig,
+    kv_cache_specs: dict[str, Any] | None = None,
 ) -> HiddenStateCacheSize:
     """The hidden-state layer's pages, block size and pool, read from
     ``kv_cache_config`` as vLLM laid it out; what a page must hold, from what
     the speculator writes (``num_aux_layers`` states of ``dtype``); for a
     group of its own, the blocks a request of ``max_model_len`` tokens takes,
     by vLLM's admission arithmetic (each group's ``max_memory_usage_bytes``
-    in pages)."""
+    in pages). Given ``kv_cache_specs`` (the runner's), where the layer's
+    group is billed pool width and ``split_kv_cache_groups`` could be on,
+    the target's capacity with it on, by vLLM's layout of the same specs."""
     name = layer_name
     groups = kv_cache_config.kv_cache_groups
     tensors = kv_cache_config.kv_cache_tensors
@@ -65,10 +68,14 @@ def hidden_state_cache_size(
     pools = {t.host_resident: t.size for t in tensors}
     others = [(i, g) for i, g in enumerate(groups) if i != index]
     own_group = group.layer_names == [name]
-    request_blocks = None
+    request_blocks = split_capacity = None
     if own_group:
         pages = [_request_pages(vllm_config, g) for g in groups]
         request_blocks = (pages[index], sum(pages))
+        if kv_cache_specs is not None and _could_split(vllm_config, kv_cache_config):
+            split_capacity = _split_capacity(
+                vllm_config, kv_cache_config, kv_cache_specs
+            )
     return HiddenStateCacheSize(
         num_aux_layers=num_aux_layers,
         hidden_size=vllm_config.model_config.get_hidden_size(),
@@ -88,7 +95,30 @@ def hidden_state_cache_size(
         request_blocks=request_blocks,
         max_model_len=vllm_config.model_config.max_model_len,
         parallelism=_parallelism(vllm_config),
+        split_capacity=split_capacity,
     )
+
+
+def _could_split(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
+    """``split_kv_cache_groups`` is off, allowed, and would split groups."""
+    return (
+        not kv_cache_groups.asked(vllm_config)
+        and vllm_config.parallel_config.pipeline_parallel_size == 1
+        and kv_cache_groups.why_unsplit(kv_cache_config.kv_cache_groups) is None
+    )
+
+
+def _split_capacity(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, specs: dict[str, Any]
+) -> tuple[int, float]:
+    """The target's capacity by vLLM's layout of ``specs`` with the groups
+    split, on the budget an engine without extraction would get."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    split = _hypothetical(kv_cache_groups.with_key(vllm_config, True))
+    memory, _ = _budget(vllm_config, kv_cache_config)
+    (layout,) = kv_cache_groups.vllm_layout(split, [specs], [memory])
+    return get_kv_cache_capacity(split, layout)
 
 
 def kv_capacity(
@@ -112,7 +142,7 @@ def kv_capacity(
         if name != layer_name
     }
     memory, budget = _budget(vllm_config, kv_cache_config)
-    (layout,) = vllm_layout(without, [specs], [memory])
+    (layout,) = kv_cache_groups.vllm_layout(without, [specs], [memory])
     tokens_without, concurrency_without = get_kv_cache_capacity(without, layout)
     extras = tuple(
         MambaExtra(i, _request_pages(vllm_config, g) - _request_pages(without, plain))
@@ -198,14 +228,20 @@ def _parallelism(vllm_config: VllmConfig) -> Parallelism:
 
 
 def _without_speculation(vllm_config: VllmConfig) -> VllmConfig:
-    """``vllm_config`` as the same target without a speculative config: a
-    shallow copy, with its own model config so that vLLM's auto-fit of
-    ``max_model_len`` (``-1``) cannot touch the engine's."""
-    without = copy.copy(vllm_config)
+    """``vllm_config`` as the same target without a speculative config."""
+    without = _hypothetical(vllm_config)
     without.speculative_config = None
-    without.model_config = copy.copy(vllm_config.model_config)
-    without.model_config.original_max_model_len = vllm_config.model_config.max_model_len
     return without
+
+
+def _hypothetical(vllm_config: VllmConfig) -> VllmConfig:
+    """A shallow copy of ``vllm_config`` to lay out, with its own model config
+    so that vLLM's auto-fit of ``max_model_len`` (``-1``) cannot touch the
+    engine's."""
+    other = copy.copy(vllm_config)
+    other.model_config = copy.copy(vllm_config.model_config)
+    other.model_config.original_max_model_len = vllm_config.model_config.max_model_len
+    return other
 
 
 def _without_speculative_blocks(item: Any) -> Any:

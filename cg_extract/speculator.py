@@ -225,12 +225,14 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             return
         self._cache_size_reported = True
         try:
+            specs = kv_cache_specs() if kv_cache_specs is not None else None
             size = kv_cache_report.hidden_state_cache_size(
                 self.vllm_config,
                 self.layer_name,
                 self.num_hidden_states,
                 self.dtype,
                 self.kv_cache_config,
+                specs,
             )
         except Exception as why:  # a layout this reading does not know
             logger.warning(
@@ -240,14 +242,11 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         logger.info(size.summary())
         if size.bill_more_than_doubles:
             logger.warning(size.bill_warning())
-        if kv_cache_specs is None:
+        if specs is None:
             return
         try:
             capacity = kv_cache_report.kv_capacity(
-                self.vllm_config,
-                self.layer_name,
-                self.kv_cache_config,
-                kv_cache_specs(),
+                self.vllm_config, self.layer_name, self.kv_cache_config, specs
             )
         except Exception as why:  # vLLM's own functions, on specs it never saw
             logger.warning(

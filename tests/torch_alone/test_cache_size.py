@@ -7,6 +7,7 @@ suite's."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -253,6 +254,17 @@ def test_the_warning_names_the_pool_width_and_its_way_out():
     assert "(group 0: SlidingWindowSpec, 2 layer(s) x 32768 bytes)" in warning
     assert "each 32768-byte page takes a 65536-byte block" in warning
     assert "vllm-project/vllm#56774" in warning and "vllm-project/vllm#56822" in warning
+    assert "split_kv_cache_groups" not in warning  # no split capacity given
+    # Where the key could be on, the way out is the key and its capacity.
+    keyed = dataclasses.replace(size, split_capacity=(5041, 9.846)).bill_warning()
+    assert (
+        '"split_kv_cache_groups": true bills the group at its own width: '
+        "5,041 tokens, 9.85x (docs/design.md#splitting-the-kv-cache-groups)" in keyed
+    )
+    assert "#56822" not in keyed
+    # Page padding alone: the key is not named, whatever the capacity.
+    padded = dataclasses.replace(one_size(), split_capacity=(5041, 9.846))
+    assert "split_kv_cache_groups" not in padded.bill_warning()
     # Pool width alone: no page padding said.
     alone = one_size(
         block_size=8, page_bytes=24576, pool_block_bytes=65536, kv_cache_bytes=655360

@@ -308,11 +308,16 @@ def test_every_family_is_billed_what_vllms_config_charges(
         page = group.kv_cache_spec.kv_cache_specs[name].page_size_bytes
         assert got["bill"] == page * config.num_blocks
     # Only GPT-OSS's bill is more than twice its states (2.67x: page padding
-    # and a pool two pages wide); its warning names both.
+    # and a pool two pages wide); its warning names both, and the capacity
+    # split_kv_cache_groups gives (3,120 tokens without it: the capacity test).
     assert bool(warnings(cg_extract_log)) == (family == "gpt_oss"), family
     for warning in warnings(cg_extract_log):
         assert "Page padding, 8192 bytes a block" in warning
         assert "Pool width, 32768 bytes a block" in warning
+        assert (
+            '"split_kv_cache_groups": true bills the group at its own width: '
+            "5,041 tokens, 9.85x" in warning
+        )
 
 
 def test_every_familys_capacity_without_extraction_is_vllms_without_it(
