@@ -39,7 +39,6 @@ from cg_extract.config import ADDITIONAL_CONFIG_KEY, ExtractGraphConfig
 logger = get_logger(__name__)
 
 KEY = "split_kv_cache_groups"
-DEFAULT_BUILDER = "vllm.v1.core.kv_cache_planning.DefaultKVCacheConfigBuilder"
 
 
 def asked(vllm_config: Any) -> bool:
@@ -119,19 +118,16 @@ def check_config(vllm_config: Any) -> None:
 def _builder_grouping(vllm_config: Any) -> str | None:
     """The platform's KV-cache config builder (vLLM 0.33), where it groups the
     layers otherwise than vLLM's default builder."""
-    from vllm.platforms import current_platform
-
-    resolve = getattr(current_platform, "get_kv_cache_config_builder_cls", None)
-    if resolve is None:  # vLLM 0.32: no builders
+    try:
+        from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
+        from vllm.v1.core.kv_cache_planning import DefaultKVCacheConfigBuilder
+    except ImportError:  # vLLM 0.32: no builders
         return None
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-
-    name = resolve(vllm_config)
-    default = resolve_obj_by_qualname(DEFAULT_BUILDER)
-    builder = resolve_obj_by_qualname(name)
-    if builder.get_kv_cache_groups is default.get_kv_cache_groups:
+    builder = type(get_kv_cache_config_builder(vllm_config))
+    default = DefaultKVCacheConfigBuilder.get_kv_cache_groups
+    if builder.get_kv_cache_groups is default:
         return None
-    return name
+    return f"{builder.__module__}.{builder.__qualname__}"
 
 
 def _grouping_module() -> Any:

@@ -52,6 +52,15 @@ PATCHED = [
         "vllm.distributed.kv_transfer.kv_connector.v1.base",
         "KVConnectorBase_V1.get_finished_count",
     ),
+    # split_kv_cache_groups (cg_extract/kv_cache_groups.py): the grouping it
+    # wraps, the name the engine core calls it reads, and what it checks.
+    ("vllm.v1.core.kv_cache_utils", "get_kv_cache_groups"),
+    ("vllm.v1.core.kv_cache_planning", "get_kv_cache_groups"),
+    ("vllm.v1.engine.core", "get_kv_cache_configs"),
+    (
+        "vllm.v1.core.kv_cache_planning",
+        "DefaultKVCacheConfigBuilder.get_kv_cache_groups",
+    ),
 ]
 # Names the plugin imports on one release only, each in a ``try`` whose
 # ``except ImportError`` imports the other release's: where vLLM moved or
@@ -63,6 +72,15 @@ RELEASE_ONLY = {
     ("vllm.v1.core.kv_cache_planning", "get_global_kv_cache_groups"): "0.33.0",
     ("vllm.v1.core.kv_cache_planning", "get_kv_cache_configs"): "0.33.0",
     ("vllm.v1.core.kv_cache_utils", "get_kv_cache_configs"): "0.32.0",
+    ("vllm.v1.core", "kv_cache_planning"): "0.33.0",
+    ("vllm.v1.core.kv_cache_planning", "get_kv_cache_groups"): "0.33.0",
+    ("vllm.v1.core.kv_cache_utils", "get_kv_cache_groups"): "0.32.0",
+    (
+        "vllm.v1.core.kv_cache_planning",
+        "DefaultKVCacheConfigBuilder.get_kv_cache_groups",
+    ): "0.33.0",
+    ("vllm.v1.core.kv_cache_config_builder", "get_kv_cache_config_builder"): "0.33.0",
+    ("vllm.v1.core.kv_cache_planning", "DefaultKVCacheConfigBuilder"): "0.33.0",
 }
 MISSING = "MISSING"
 # A method of ours in a class derived from vLLM's that no vLLM class in its

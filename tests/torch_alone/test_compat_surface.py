@@ -38,6 +38,36 @@ REVIEWED_DIFFERENCE_0_32_TO_0_33 = {
     "available_memory: list[int])",
     "vllm.v1.core.kv_cache_utils:get_kv_cache_configs\tMISSING\t"
     "vllm.v1.core.kv_cache_utils has no get_kv_cache_configs",
+    # split_kv_cache_groups: the grouping it wraps moved with the planning,
+    # 0.33's builders, and the engine core's call that takes the groups.
+    "vllm.v1.core:kv_cache_planning\tMISSING\tvllm.v1.core has no kv_cache_planning",
+    "vllm.v1.core:kv_cache_planning\tmodule\t",
+    "vllm.v1.core.kv_cache_config_builder:get_kv_cache_config_builder\tMISSING\t"
+    "no module vllm.v1.core.kv_cache_config_builder",
+    "vllm.v1.core.kv_cache_config_builder:get_kv_cache_config_builder\tfunction\t"
+    "(vllm_config: 'VllmConfig')",
+    "vllm.v1.core.kv_cache_planning:DefaultKVCacheConfigBuilder\tMISSING\t"
+    "no module vllm.v1.core.kv_cache_planning",
+    "vllm.v1.core.kv_cache_planning:DefaultKVCacheConfigBuilder\tclass\t"
+    "(KVCacheConfigBuilder)",
+    "vllm.v1.core.kv_cache_planning:DefaultKVCacheConfigBuilder.get_kv_cache_groups"
+    "\tMISSING\tno module vllm.v1.core.kv_cache_planning",
+    "vllm.v1.core.kv_cache_planning:DefaultKVCacheConfigBuilder.get_kv_cache_groups"
+    "\tfunction\t(self, vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec])",
+    "vllm.v1.core.kv_cache_planning:get_kv_cache_groups\tMISSING\t"
+    "no module vllm.v1.core.kv_cache_planning",
+    "vllm.v1.core.kv_cache_planning:get_kv_cache_groups\tfunction\t"
+    "(vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec])",
+    "vllm.v1.core.kv_cache_utils:get_kv_cache_groups\tfunction\t"
+    "(vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec])",
+    "vllm.v1.core.kv_cache_utils:get_kv_cache_groups\tMISSING\t"
+    "vllm.v1.core.kv_cache_utils has no get_kv_cache_groups",
+    "vllm.v1.engine.core:get_kv_cache_configs\tfunction\t"
+    "(vllm_config: VllmConfig, kv_cache_specs: list[dict[str, KVCacheSpec]], "
+    "available_memory: list[int])",
+    "vllm.v1.engine.core:get_kv_cache_configs\tfunction\t"
+    "(vllm_config: VllmConfig, kv_cache_specs: list[dict[str, KVCacheSpec]], "
+    "available_memory: list[int], global_kv_cache_groups: list[KVCacheGroupSpec])",
 }
 
 
@@ -69,7 +99,7 @@ def test_every_name_exists_in_each_tested_release(version):
         name, kind, _ = line.split("\t")
         only = vllm_surface.RELEASE_ONLY.get(tuple(name.split(":")), version)
         assert (kind == vllm_surface.MISSING) == (only != version), line
-        if tuple(name.split(":")) in vllm_surface.PATCHED:
+        if tuple(name.split(":")) in vllm_surface.PATCHED and only == version:
             assert kind in ("function", "class", "attribute"), line
 
 
