@@ -359,18 +359,22 @@ class HiddenStateCacheSize:
                 )
             )
         if width and self.split_capacity is not None:
-            tokens, concurrency = self.split_capacity
-            ways.append(
-                '"split_kv_cache_groups": true bills the group at its own width: '
-                f"{tokens:,} tokens, {concurrency:.2f}x "
-                "(docs/design.md#splitting-the-kv-cache-groups)"
-            )
+            ways.append(split_hint(*self.split_capacity))
         elif width:
             ways.append(
                 "the pool width goes with a vLLM that bills the group at its own "
                 "width (vllm-project/vllm#56822)"
             )
         return "To change it: " + "; ".join(ways) + "."
+
+
+def split_hint(tokens: int, concurrency: float) -> str:
+    """The way out of pool width: the key, and the target's capacity with it."""
+    return (
+        '"split_kv_cache_groups": true bills the hidden-state group at its own '
+        f"width: {tokens:,} tokens, {concurrency:.2f}x "
+        "(docs/design.md#splitting-the-kv-cache-groups)"
+    )
 
 
 @dataclass(frozen=True)

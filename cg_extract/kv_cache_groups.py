@@ -34,6 +34,7 @@ from typing import Any
 from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
 from cg_extract import get_logger
+from cg_extract.cache_size import split_hint
 from cg_extract.config import ADDITIONAL_CONFIG_KEY, ExtractGraphConfig
 
 logger = get_logger(__name__)
@@ -222,8 +223,6 @@ def refusal_hint(
     """For vLLM's refusal to start for lack of KV memory with extraction: the
     capacity the key would give, where it is off, would split the groups and
     the split layout starts."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
-
     spec = vllm_config.speculative_config
     if asked(vllm_config) or spec is None or spec.method != "extract_hidden_states":
         return None
@@ -231,17 +230,27 @@ def refusal_hint(
         return None
     if why_unsplit(original_grouping()(vllm_config, _merged(kv_cache_specs))):
         return None
-    split_config = with_key(vllm_config, True)
-    split_config.model_config = copy.copy(vllm_config.model_config)
     try:
-        layout, *_ = vllm_layout(split_config, kv_cache_specs, memory)
+        tokens, concurrency = split_capacity(vllm_config, kv_cache_specs, memory)
     except ValueError:
         return None
-    tokens, concurrency = get_kv_cache_capacity(split_config, layout)
-    return (
-        f"With extraction, {KEY}: true would start: {tokens:,} tokens, "
-        f"{concurrency:.2f}x (docs/design.md#splitting-the-kv-cache-groups)."
-    )
+    return f"It would start with {split_hint(tokens, concurrency)}."
+
+
+def split_capacity(
+    vllm_config: Any, kv_cache_specs: list[dict[str, Any]], memory: list[int]
+) -> tuple[int, float]:
+    """The target's KV capacity (tokens, requests at once) by vLLM's layout of
+    the workers' specs with the groups split, on ``memory`` bytes each; vLLM's
+    ValueError where that layout cannot serve one request."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    split_config = with_key(vllm_config, True)
+    # Its own model config, at the engine's max_model_len: no auto-fit.
+    model = split_config.model_config = copy.copy(vllm_config.model_config)
+    model.original_max_model_len = model.max_model_len
+    layout, *_ = vllm_layout(split_config, kv_cache_specs, memory)
+    return get_kv_cache_capacity(split_config, layout)
 
 
 def vllm_layout(

@@ -73,8 +73,9 @@ def hidden_state_cache_size(
         pages = [_request_pages(vllm_config, g) for g in groups]
         request_blocks = (pages[index], sum(pages))
         if kv_cache_specs is not None and _could_split(vllm_config, kv_cache_config):
-            split_capacity = _split_capacity(
-                vllm_config, kv_cache_config, kv_cache_specs
+            memory, _ = _budget(vllm_config, kv_cache_config)
+            split_capacity = kv_cache_groups.split_capacity(
+                vllm_config, [kv_cache_specs], [memory]
             )
     return HiddenStateCacheSize(
         num_aux_layers=num_aux_layers,
@@ -106,19 +107,6 @@ def _could_split(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> boo
         and vllm_config.parallel_config.pipeline_parallel_size == 1
         and kv_cache_groups.why_unsplit(kv_cache_config.kv_cache_groups) is None
     )
-
-
-def _split_capacity(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, specs: dict[str, Any]
-) -> tuple[int, float]:
-    """The target's capacity by vLLM's layout of ``specs`` with the groups
-    split, on the budget an engine without extraction would get."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
-
-    split = _hypothetical(kv_cache_groups.with_key(vllm_config, True))
-    memory, _ = _budget(vllm_config, kv_cache_config)
-    (layout,) = kv_cache_groups.vllm_layout(split, [specs], [memory])
-    return get_kv_cache_capacity(split, layout)
 
 
 def kv_capacity(
@@ -228,20 +216,14 @@ def _parallelism(vllm_config: VllmConfig) -> Parallelism:
 
 
 def _without_speculation(vllm_config: VllmConfig) -> VllmConfig:
-    """``vllm_config`` as the same target without a speculative config."""
-    without = _hypothetical(vllm_config)
+    """``vllm_config`` as the same target without a speculative config: a
+    shallow copy, with its own model config so that vLLM's auto-fit of
+    ``max_model_len`` (``-1``) cannot touch the engine's."""
+    without = copy.copy(vllm_config)
     without.speculative_config = None
+    without.model_config = copy.copy(vllm_config.model_config)
+    without.model_config.original_max_model_len = vllm_config.model_config.max_model_len
     return without
-
-
-def _hypothetical(vllm_config: VllmConfig) -> VllmConfig:
-    """A shallow copy of ``vllm_config`` to lay out, with its own model config
-    so that vLLM's auto-fit of ``max_model_len`` (``-1``) cannot touch the
-    engine's."""
-    other = copy.copy(vllm_config)
-    other.model_config = copy.copy(vllm_config.model_config)
-    other.model_config.original_max_model_len = vllm_config.model_config.max_model_len
-    return other
 
 
 def _without_speculative_blocks(item: Any) -> Any:

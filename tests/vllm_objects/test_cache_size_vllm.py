@@ -315,8 +315,8 @@ def test_every_family_is_billed_what_vllms_config_charges(
         assert "Page padding, 8192 bytes a block" in warning
         assert "Pool width, 32768 bytes a block" in warning
         assert (
-            '"split_kv_cache_groups": true bills the group at its own width: '
-            "5,041 tokens, 9.85x" in warning
+            '"split_kv_cache_groups": true bills the hidden-state group at its own '
+            "width: 5,041 tokens, 9.85x" in warning
         )
 
 
