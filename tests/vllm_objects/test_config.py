@@ -19,7 +19,12 @@ VLLM_KEYS = {"method", "num_speculative_tokens", "draft_model_config", "model"}
 def test_defaults():
     cfg = ExtractGraphConfig.from_dict({})
     assert cfg == ExtractGraphConfig(False, None, "auto")
-    assert KEYS == ("cudagraph", "cudagraph_capture_sizes", "cudagraph_backend")
+    assert KEYS == (
+        "cudagraph",
+        "cudagraph_capture_sizes",
+        "cudagraph_backend",
+        "split_kv_cache_groups",
+    )
 
 
 def test_round_trip_through_dict():
