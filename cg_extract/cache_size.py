@@ -371,9 +371,9 @@ class HiddenStateCacheSize:
 def split_hint(tokens: int, concurrency: float) -> str:
     """The way out of pool width: the key, and the target's capacity with it."""
     return (
-        '"split_kv_cache_groups": true bills the hidden-state group at its own '
-        f"width: {tokens:,} tokens, {concurrency:.2f}x "
-        "(docs/design.md#splitting-the-kv-cache-groups)"
+        '"split_kv_cache_groups": true (the hidden-state group billed at its own '
+        f"width: {tokens:,} tokens, {concurrency:.2f}x; "
+        "docs/design.md#splitting-the-kv-cache-groups)"
     )
 
 

@@ -258,8 +258,8 @@ def test_the_warning_names_the_pool_width_and_its_way_out():
     # Where the key could be on, the way out is the key and its capacity.
     keyed = dataclasses.replace(size, split_capacity=(5041, 9.846)).bill_warning()
     assert (
-        '"split_kv_cache_groups": true bills the hidden-state group at its own '
-        "width: 5,041 tokens, 9.85x (docs/design.md#splitting-the-kv-cache-groups)"
+        '"split_kv_cache_groups": true (the hidden-state group billed at its own '
+        "width: 5,041 tokens, 9.85x; docs/design.md#splitting-the-kv-cache-groups)"
         in keyed
     )
     assert "#56822" not in keyed

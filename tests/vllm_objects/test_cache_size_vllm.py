@@ -15,6 +15,7 @@ makes vLLM give the hidden-state group 1-token blocks in 16000-byte pages
 it does not).
 """
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
+from cg_extract import kv_cache_groups
+from cg_extract.kv_cache_groups import KEY, vllm_layout
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
 from tests.model_families import (
     FAMILIES,
@@ -315,8 +318,8 @@ def test_every_family_is_billed_what_vllms_config_charges(
         assert "Page padding, 8192 bytes a block" in warning
         assert "Pool width, 32768 bytes a block" in warning
         assert (
-            '"split_kv_cache_groups": true bills the hidden-state group at its own '
-            "width: 5,041 tokens, 9.85x" in warning
+            '"split_kv_cache_groups": true (the hidden-state group billed at its '
+            "own width: 5,041 tokens, 9.85x;" in warning
         )
 
 
@@ -358,3 +361,104 @@ def test_every_familys_capacity_without_extraction_is_vllms_without_it(
     else:
         assert got["mamba_groups"] is None
     assert re.search(r"\b(?:TP|DP) rank|pipeline stage", line) is None
+
+
+# --------------------------------------------------------------------------
+# split_kv_cache_groups, through the name vLLM's engine core calls, which the
+# plugin wraps for its line on what the key did and its refusal hint. The
+# layouts above are the same families' with the key off; the key changes no
+# spec, only the config.
+
+SPLITS = {"gpt_oss": (2, 4)}  # the target's groups, before and after
+WHY_UNSPLIT = {"qwen3_next": "the target's KV-cache groups have one layer each already"}
+SHARES = "the hidden-state layer shares the target's KV-cache group"
+
+
+def engine_core_layout(layout, budget: int):
+    """``layout``'s specs laid out on ``budget`` bytes by the names vLLM's
+    engine core calls (0.33 groups the layers first)."""
+    from vllm.v1.engine import core
+
+    specs = [dict(layout.specs)]
+    groups = getattr(core, "get_global_kv_cache_groups", None)
+    first = [groups(layout.vllm_config, specs)] if groups else []
+    return core.get_kv_cache_configs(layout.vllm_config, specs, [budget], *first)
+
+
+def said(log: list[str]) -> list[str]:
+    return [m for m in log if KEY in m]
+
+
+def with_the_key(layout):
+    return dataclasses.replace(
+        layout, vllm_config=kv_cache_groups.with_key(layout.vllm_config, True)
+    )
+
+
+def least_budget(layout) -> int:
+    """The fewest bytes vLLM's layout starts ``layout``'s config on."""
+    refused, starts = 0, BUDGET
+    while starts - refused > 1:
+        middle = (refused + starts) // 2
+        try:
+            vllm_layout(layout.vllm_config, [layout.specs], [middle])
+        except ValueError:
+            refused = middle
+        else:
+            starts = middle
+    return starts
+
+
+def test_the_engine_core_says_what_the_key_did(family_layouts, cg_extract_log):
+    family, unsplit, _ = family_layouts
+    split = with_the_key(unsplit)
+    cg_extract_log.clear()
+    (config,) = engine_core_layout(split, BUDGET)
+    groups = [g.layer_names for g in config.kv_cache_groups]
+    if family not in SPLITS:
+        assert groups == [
+            g.layer_names for g in unsplit.kv_cache_config.kv_cache_groups
+        ]
+        (warning,) = said(cg_extract_log)
+        why = WHY_UNSPLIT.get(family, SHARES)
+        assert warning.startswith(f"{KEY} is true but changes nothing here: {why}")
+        return
+    before, after = SPLITS[family]
+    assert len(unsplit.kv_cache_config.kv_cache_groups) - 1 == before
+    assert len(groups) - 1 == after and all(len(names) == 1 for names in groups)
+    assert said(cg_extract_log) == [
+        f"{KEY}: the target's {before} KV-cache groups split into {after} "
+        "one-layer groups; the hidden-state group is billed one page a block"
+    ]
+    with_key, without = (
+        get_kv_cache_capacity(layout.vllm_config, layout.kv_cache_config)[0]
+        for layout in (dataclasses.replace(split, kv_cache_config=config), unsplit)
+    )
+    assert (without, with_key) == (3120, 5041)
+
+
+def test_vllms_refusal_names_the_key_where_it_would_start(family_layouts):
+    """On the fewest bytes the split layout starts on, vLLM refuses the
+    layout without the key, and its error ends with the key and the
+    capacity the split layout gives there; a byte less, or a family the key
+    does not split, gets vLLM's error alone."""
+    family, unsplit, _ = family_layouts
+    split = with_the_key(unsplit)
+    budget = least_budget(split)
+    if family not in SPLITS:
+        assert budget == least_budget(unsplit)
+    else:
+        assert budget < least_budget(unsplit)
+        with pytest.raises(ValueError, match="To serve at least one request") as no:
+            engine_core_layout(unsplit, budget)
+        (config,) = vllm_layout(split.vllm_config, [split.specs], [budget])
+        would, concurrency = get_kv_cache_capacity(split.vllm_config, config)
+        assert str(no.value).endswith(
+            f' It would start with "{KEY}": true (the hidden-state group billed at '
+            f"its own width: {would:,} tokens, {concurrency:.2f}x; "
+            "docs/design.md#splitting-the-kv-cache-groups)."
+        )
+        engine_core_layout(split, budget)
+    with pytest.raises(ValueError, match="To serve at least one request") as no:
+        engine_core_layout(unsplit, budget - 1)
+    assert KEY not in str(no.value)

@@ -3,10 +3,9 @@ vLLM's own config build and KV-cache layout functions.
 
 Kimi-K3 (vllm-project/vllm#56774) is laid out from its config alone: vLLM
 builds no Kimi model on a CPU, so each layer's spec is written here as Kimi's
-layers write it, with the model's own state calculators. The other families
-are built as a worker builds them (:func:`vllm_on_cpu.harness.kv_layout`) and
-laid out through the name vLLM's engine core calls, which the plugin wraps
-for its refusal hint and its line on what the key did.
+layers write it, with the model's own state calculators. What the engine
+core says of the key for each family of the project (the split, why none, the
+refusal hint) is in test_cache_size_vllm.py, with those families' layouts.
 """
 
 from __future__ import annotations
@@ -39,15 +38,13 @@ from cg_extract.config import (
     SPECULATIVE_CONFIG,
 )
 from cg_extract.kv_cache_groups import KEY, vllm_layout
-from cg_extract.speculator import ExtractHiddenStatesSpeculator
 from tests.model_families import write_family_dir
-from tests.vllm_objects.test_cache_size_vllm import BUDGET, family_engine_args
+from tests.vllm_objects.test_cache_size_vllm import BUDGET, engine_core_layout, said
 from tests.vllm_objects.test_pipeline_parallel import MRV2, PP
 from vllm_on_cpu.engine import AUX_LAYER_IDS
 from vllm_on_cpu.harness import (
     KVLayout,
     build_vllm_config,
-    kv_layout,
     resolve_layout,
     speculative_config,
 )
@@ -96,21 +93,6 @@ def hidden_state_spec(vllm_config) -> dict:
             dtype=kv_cache_dtype_str_to_dtype(cache.cache_dtype, model),
         )
     }
-
-
-def engine_core_layout(layout: KVLayout, budget: int):
-    """``layout``'s specs laid out on ``budget`` bytes by the names vLLM's
-    engine core calls (0.33 groups the layers first)."""
-    from vllm.v1.engine import core
-
-    specs = [dict(layout.specs)]
-    groups = getattr(core, "get_global_kv_cache_groups", None)
-    first = [groups(layout.vllm_config, specs)] if groups else []
-    return core.get_kv_cache_configs(layout.vllm_config, specs, [budget], *first)
-
-
-def said(log: list[str]) -> list[str]:
-    return [m for m in log if KEY in m]
 
 
 # --------------------------------------------------------------------------
@@ -284,85 +266,8 @@ def test_a_model_that_groups_its_own_layers_is_refused(model_dir, monkeypatch):
 
 
 # --------------------------------------------------------------------------
-# What the engine core says: the refusal hint, the split, or why none
-
-
-def family_layout(family: str, tmp, split: bool) -> KVLayout:
-    args = family_engine_args(family, tmp, True)
-    if split:
-        args["speculative_config"][KEY] = True
-    return kv_layout(args, ExtractHiddenStatesSpeculator)
-
-
-@pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory) -> tuple[KVLayout, KVLayout]:
-    """GPT-OSS (sliding and full attention, two layers each) without the
-    key and with it."""
-    tmp = tmp_path_factory.mktemp("gpt_oss")
-    return family_layout("gpt_oss", tmp, False), family_layout("gpt_oss", tmp, True)
-
-
-def least_budget(layout: KVLayout) -> int:
-    """The fewest bytes vLLM's layout starts ``layout``'s config on."""
-    refused, starts = 0, BUDGET
-    while starts - refused > 1:
-        middle = (refused + starts) // 2
-        try:
-            vllm_layout(layout.vllm_config, [layout.specs], [middle])
-        except ValueError:
-            refused = middle
-        else:
-            starts = middle
-    return starts
-
-
-def test_vllms_refusal_says_what_the_key_would_start(gpt_oss):
-    unsplit, split = gpt_oss
-    budget = least_budget(split)
-    assert budget < least_budget(unsplit)
-    with pytest.raises(ValueError, match="To serve at least one request") as refused:
-        engine_core_layout(unsplit, budget)
-    (config,) = vllm_layout(split.vllm_config, [split.specs], [budget])
-    would, concurrency = get_kv_cache_capacity(split.vllm_config, config)
-    assert str(refused.value).endswith(
-        f" With extraction, {KEY}: true would start: {would:,} tokens, "
-        f"{concurrency:.2f}x (docs/design.md#splitting-the-kv-cache-groups)."
-    )
-    engine_core_layout(split, budget)
-    with pytest.raises(ValueError, match="To serve at least one request") as refused:
-        engine_core_layout(unsplit, budget - 1)
-    assert "With extraction" not in str(refused.value)
-
-
-def test_the_split_is_said_once_with_vllms_group_counts(gpt_oss, cg_extract_log):
-    unsplit, split = gpt_oss
-    engine_core_layout(split, BUDGET)
-    before = len(unsplit.kv_cache_config.kv_cache_groups) - 1
-    after = len(split.kv_cache_config.kv_cache_groups) - 1
-    assert (before, after) == (2, 4)
-    assert said(cg_extract_log) == [
-        f"{KEY}: the target's {before} KV-cache groups split into {after} "
-        "one-layer groups; the hidden-state group is billed one page a block"
-    ]
-    assert hidden_bill(split) < hidden_bill(unsplit)
-    assert tokens(split) > tokens(unsplit)
-
-
-@pytest.mark.parametrize(
-    "family, reason",
-    [
-        ("qwen3", "the hidden-state layer shares the target's KV-cache group"),
-        ("qwen3_next", "the target's KV-cache groups have one layer each already"),
-    ],
-)
-def test_the_key_warns_where_it_changes_nothing(
-    tmp_path, cg_extract_log, family, reason
-):
-    layout = family_layout(family, tmp_path, True)
-    cg_extract_log.clear()
-    engine_core_layout(layout, BUDGET)
-    (warning,) = said(cg_extract_log)
-    assert warning.startswith(f"{KEY} is true but changes nothing here: {reason}")
+# Where vLLM's packed grouping takes over (the families' splits, refusal
+# hints and warnings: test_cache_size_vllm.py)
 
 
 def test_packed_groups_are_left_to_vllm(model_dir, cg_extract_log):
