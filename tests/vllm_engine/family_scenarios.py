@@ -8,8 +8,8 @@ engine core in-process, runs that family's scenarios
 the connector's files (under ``WORKDIR/<family>/<way>``), records what the
 engine built (its KV-cache groups: block size, page size, spec) and shuts
 the engine down before the next family. ``OUT_JSON`` holds, per family, the
-per-scenario results of :func:`tests.vllm_engine.generate_scenarios.main` plus the groups,
-or, for a family whose engine raised, ``{"error": ...}`` with vLLM's
+per-scenario results of :func:`tests.vllm_engine.generate_scenarios.main` plus the groups
+(the target way's GPT-OSS also the results of :data:`SPLIT_RUNS`), or, for a family whose engine raised, ``{"error": ...}`` with vLLM's
 exception and the end of its traceback: the next family still runs, and the
 tests report the failure as that family's. The JSON
 is rewritten after each family, so a process that dies still leaves the

@@ -42,6 +42,10 @@ block size and cache view must follow.
   the window, prefill in chunks: the sliding-window group drops blocks behind
   the window while the hidden-state group must keep every row. Prefix hits go
   through the sliding-window manager. Decode before both.
+  The target way runs it twice more on a 32 MiB budget, without and with
+  ``split_kv_cache_groups`` (four one-layer groups beside the hidden-state
+  group): vLLM's capacity, our lines, the memory profiler's layout and the
+  files, checked at the end of this module.
 * **qwen3_next** (hybrid: gated delta net on three layers of four, gated
   attention on the fourth, MoE): three mamba groups set a page that makes
   attention blocks 160 tokens and hidden-state blocks 40; bfloat16 (the CPU
@@ -606,14 +610,14 @@ def test_split_kv_cache_groups_raises_vllms_capacity(split_runs):
     block is one page, which the hidden-state group's block is billed; the
     engine core says what the key did, only where it is given."""
     for name, run in split_runs.items():
-        groups = [
-            (g["spec"], g["layers"], g["block_size"]) for g in run["kv_cache_groups"]
-        ]
-        assert groups == SPLIT_GROUPS[name], name
         tokens = SPLIT_TOKENS[name]
         assert run["kv_cache_bill"]["tokens"] == tokens, name
         (logged,) = run["lines"]["vllm_capacity"]
         assert VLLM_CAPACITY.search(logged)[1] == f"{tokens:,}", (name, logged)
+        groups = [
+            (g["spec"], g["layers"], g["block_size"]) for g in run["kv_cache_groups"]
+        ]
+        assert groups == SPLIT_GROUPS[name], name
         assert len(run["lines"]["split"]) == (name == "split"), name
     bill = split_runs["split"]["kv_cache_bill"]
     assert bill["own_group"] and bill["pool_block"] == bill["page"], bill
