@@ -49,6 +49,10 @@ def engine_modes(name: str) -> list[str]:
     return list(engine_module(name).MODES)
 
 
+def default_modes(name: str) -> list[str]:
+    return [m for m, mode in engine_module(name).MODES.items() if mode.default]
+
+
 class ModeUnavailable(Exception):
     """This machine cannot run the mode; the message says why."""
 
@@ -112,6 +116,8 @@ class Mode:
     # engine -> runner, raising ModeUnavailable; None for the vllm engine,
     # whose modes are engine configurations rather than runners
     build: Callable[[Any], Runner] | None = None
+    # Run when --modes names none; False: only when named.
+    default: bool = True
 
 
 class Engine(ABC):

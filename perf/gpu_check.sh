@@ -2,7 +2,9 @@
 # GPU check for a CUDA machine WITHOUT vLLM (python3 with torch, triton,
 # nvidia-ml-py, tqdm, pandas, matplotlib, pytest, hypothesis). Steps: env,
 # collect (neither needs CUDA; without it the check stops after them), the
-# cuda-marked tests, a `kernel` sweep. perf/README.md ("GPU check") gives what
+# cuda-marked tests, a `kernel` sweep, and where vLLM imports (not on the
+# machines lent so far: the step then says so and passes) the whole engine
+# with and without split_kv_cache_groups. perf/README.md ("GPU check") gives what
 # each runs and writes, its cap (the whole check ends within 285 s plus the
 # verdict; a capped step gets 5 s more, tests and sweep stopped by SIGINT) and
 # the exit status: 0 passed, 1 a CUDA step failed, 2 could not start, 3 no
@@ -70,6 +72,9 @@ fi
 missing=$(grep MISSING "$W/env.log" | cut -d' ' -f1 | paste -sd ' ' -)
 note "env: ${took} s; $(grep '^torch ' "$W/env.log")${missing:+; MISSING: $missing}"
 [ -n "$missing" ] && not_started+=("modules missing: $missing")
+# The split step's share of the budget, taken from the others where it runs.
+split_keep=0
+grep -q '^vllm importable: True' "$W/env.log" && split_keep=120
 
 # --- collect: needs no CUDA --------------------------------------------------
 timed 90 KILL "$W/collect.log" "$PY" -m pytest tests/ --collect-only -q -p no:cacheprovider
@@ -91,7 +96,7 @@ fi
 
 # --- tests: CUDA -------------------------------------------------------------
 # A collection error must not hide the results of the other files.
-cap=$(($(left) - 5 - 75 - 5))  # the sweep keeps 75 s
+cap=$(($(left) - 5 - 75 - 5 - split_keep))  # the sweep keeps 75 s
 cap=$((cap > 140 ? 140 : (cap < 10 ? 10 : cap)))
 timed $cap INT "$W/pytest.log" "$PY" ${STAND_IN:+"$STAND_IN" tests} -m pytest -m cuda \
     tests/ -q -rA -p no:cacheprovider --continue-on-collection-errors --junitxml="$W/junit.xml"
@@ -111,19 +116,22 @@ case $rc in  # pytest: 1 some failed; 2 to 5 it ran none or stopped
 esac
 
 # --- sweep: CUDA -------------------------------------------------------------
-cap=$(($(left) - 5))
+cap=$(($(left) - 5 - split_keep))
 cap=$((cap < 10 ? 10 : cap))
 timed $cap INT "$W/sweep.log" "$PY" ${STAND_IN:+"$STAND_IN" sweep} perf/sweep.py \
     --engine kernel --device cuda --out "$W/kernel.csv"
 note "sweep: exit $rc, ${took} s"
-tr '\r' '\n' < "$W/sweep.log" | grep -v '^sweep:' | tail -n 60 | tee -a "$SUMMARY"
+table() { tr '\r' '\n' < "$1" | grep -v '^sweep:' | tail -n "$2" | tee -a "$SUMMARY"; }
+table "$W/sweep.log" 60
 case $rc in  # sweep: 2 refused its arguments or no mode can run
     0) ;;
     2) not_started+=("the kernel sweep refused to run (sweep.log)") ;;
     capped) failed+=("the kernel sweep reached its ${cap} s cap (kernel.csv has the rows that finished)") ;;
     *) failed+=("kernel sweep (exit $rc, sweep.log)") ;;
 esac
-if [ -s "$W/kernel.csv" ] && ! "$PY" - "$W/kernel.csv" <<'EOF'; then
+# inexact CSV: whether a sweep's CSV has rows with bit_exact False (printed).
+inexact() {
+    [ -s "$1" ] && ! "$PY" - "$1" <<'EOF'
 import sys
 import pandas as pd
 frame = pd.read_csv(sys.argv[1])
@@ -131,9 +139,34 @@ wrong = frame[frame["bit_exact"].eq(False)]
 print(wrong[["mode", "num_tokens"]].to_string(index=False) if len(wrong) else "")
 sys.exit(1 if len(wrong) else 0)
 EOF
-    failed+=("kernel sweep rows with bit_exact False")
+}
+inexact "$W/kernel.csv" && failed+=("kernel sweep rows with bit_exact False")
+
+# --- split: CUDA and vLLM ----------------------------------------------------
+# What split_kv_cache_groups costs a decode step: vLLM's engine on a tiny
+# dummy GPT-OSS, ours eager without and with the key (split's files must be
+# eager's, bit_exact). The GPU machines lent so far have no vLLM (nor room
+# for it): there the step is not run, and says so, without failing.
+split=""
+if [ "$split_keep" = 0 ]; then
+    note "split: not run: vLLM is not importable here (env.log), and the split_kv_cache_groups measurement runs vLLM's engine (its CPU figures: docs/measurements.md)"
+else
+    cap=$(($(left) - 5))
+    cap=$((cap < 10 ? 10 : cap))
+    timed $cap INT "$W/split.log" "$PY" ${STAND_IN:+"$STAND_IN" split} perf/sweep.py \
+        --engine vllm --device cuda --family gpt_oss --modes eager split \
+        --workload decode --sizes 8 --clients 8 --prompt-len 64 --max-tokens 16 \
+        --iters 3 --warmup 1 --out "$W/split.csv"
+    note "split: exit $rc, ${took} s"
+    table "$W/split.log" 6
+    case $rc in
+        0) split=", the kernel sweep and the split_kv_cache_groups measurement" ;;
+        capped) failed+=("the split measurement reached its ${cap} s cap") ;;
+        *) failed+=("split measurement (exit $rc, split.log)") ;;
+    esac
+    inexact "$W/split.csv" && failed+=("split rows with bit_exact False (split.csv)")
 fi
 
 [ ${#not_started[@]} -gt 0 ] && verdict 2 "could not start: $(joined "${not_started[@]}")"
 [ ${#failed[@]} -gt 0 ] && verdict 1 "a CUDA step failed: $(joined "${failed[@]}")"
-verdict 0 "passed: the cuda tests ($ran run) and the kernel sweep"
+verdict 0 "passed: the cuda tests ($ran run)${split:- and the kernel sweep}"

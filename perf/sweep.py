@@ -34,10 +34,12 @@ from perf import machine, report
 from perf.engines import (
     ENGINE_MODULES,
     REFERENCE_MODE,
+    VLLM_DTYPES,
     Engine,
     Params,
     Runner,
     caches_equal,
+    default_modes,
     engine_modes,
     engine_module,
     estimate_bytes,
@@ -53,6 +55,7 @@ from perf.measure import (
     time_steps,
 )
 from perf.nvml import NvmlSampler, nvml_index
+from tests.model_families import FAMILIES, family_config
 from vllm_on_cpu.harness import DTYPES
 
 
@@ -178,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         nargs="+",
         choices=all_modes(),
-        help="modes to time, interleaved (default: every mode of the engine; "
-        "modes this machine cannot run are left out with the reason)",
+        help="modes to time, interleaved (default: every mode of the engine but "
+        "vllm's split; modes this machine cannot run are left out with the reason)",
     )
     p.add_argument(
         "--sizes",
@@ -246,7 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument(
         "--model",
         help="what vLLM's --model takes: a Hugging Face name or a local folder "
-        "(required on a GPU; on a CPU a tiny dummy Llama by default)",
+        "(required on a GPU unless --family; on a CPU a tiny dummy Llama by default)",
+    )
+    vllm.add_argument(
+        "--family",
+        # vLLM's own model classes (the residual-dtype Llamas are the tests').
+        choices=sorted(f for f, c in FAMILIES.items() if "residual_dtypes" not in c),
+        help="instead of --model: a tiny dummy-weight model of this family "
+        "(tests/model_families.py; gpt_oss: the layout split_kv_cache_groups "
+        "splits, for --modes eager split)",
     )
     vllm.add_argument(
         "--workload",
@@ -320,10 +331,12 @@ def _check_vllm(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     """The whole engine's own options; then this process is made ready for
     it (on a CPU that must happen before vLLM is imported)."""
     args.dummy_model = args.model is None
-    if args.dummy_model and args.device == "cuda":
+    if args.model and args.family:
+        parser.error("--model or --family, not both")
+    if args.dummy_model and not args.family and args.device == "cuda":
         parser.error(
             "--engine vllm on a GPU needs --model (a name or folder, as vLLM's "
-            "--model takes); the tiny dummy model is for CPUs"
+            "--model takes) or --family; the tiny dummy Llama is for CPUs"
         )
     prompt_len, decode_tokens = VLLM_LENGTHS[args.device]
     args.prompt_len = args.prompt_len or prompt_len
@@ -335,6 +348,9 @@ def _check_vllm(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             )
         args.max_tokens = 1
     args.max_tokens = args.max_tokens or decode_tokens
+    if args.dtype is None and args.family:
+        family_dtype = family_config(args.family)["torch_dtype"]
+        args.dtype = {v: k for k, v in VLLM_DTYPES.items()}[family_dtype]
     if args.dtype is None:
         args.dtype = "fp32" if args.device == "cpu" else "bf16"
     gmu = args.gpu_memory_utilization
@@ -355,7 +371,7 @@ def _check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     args.modes_for = {}
     for engine in args.engines:
         known = engine_modes(engine)
-        wanted = args.modes or known
+        wanted = args.modes or default_modes(engine)
         unknown = [m for m in wanted if m not in known]
         if unknown:
             parser.error(
@@ -565,6 +581,8 @@ def parameter_columns(engine: Engine | None, args: argparse.Namespace):
 
 
 def vllm_model_name(args: argparse.Namespace) -> str:
+    if args.family:
+        return f"tiny dummy {args.family} (tests/model_families.py)"
     return DUMMY_MODEL if args.dummy_model else args.model
 
 

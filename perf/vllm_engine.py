@@ -11,8 +11,9 @@ start it (:mod:`vllm_on_cpu.engine`); its timings are the CPU's.
 Correctness comes from a check run before the timed ones: the first
 :data:`CHECK_PROMPTS` prompts, one request at a time, so every engine runs the
 same batch shapes (GPU kernels are not batch-invariant). ``bit_exact``:
-``graph``'s saved files and tokens equal ``eager``'s byte for byte (both
-ours, the same target graph mode: only our write differs).
+``graph``'s and ``split``'s saved files and tokens equal ``eager``'s byte
+for byte (all ours, the same target graph mode: only our write, or the
+KV-cache grouping, differs).
 ``close_to_upstream``: the prompt tokens' hidden states of ``eager`` and
 ``graph`` within ``torch.testing``'s default tolerance of ``upstream``'s,
 which resolves PIECEWISE where ours keeps FULL decode graphs (design.md);
@@ -55,12 +56,23 @@ MODES = {
     "upstream": Mode("vLLM's own speculator, saving hidden states"),
     "eager": Mode("ours, cudagraph false, saving hidden states"),
     "graph": Mode("ours, cudagraph true, saving hidden states"),
+    # What the key costs a step (its groups' per-step work) on a target whose
+    # layout it splits (--family gpt_oss); it changes nothing on the others.
+    "split": Mode(
+        "ours as eager, with split_kv_cache_groups true (only when named)",
+        default=False,
+    ),
 }
 # Mode -> our keys in the speculative config; absent: vLLM's speculator, the
 # plugin not loaded in the engine's processes.
-OUR_KEYS = {"eager": {"cudagraph": False}, "graph": {"cudagraph": True}}
+OUR_KEYS = {
+    "eager": {"cudagraph": False},
+    "graph": {"cudagraph": True},
+    "split": {"cudagraph": False, "split_kv_cache_groups": True},
+}
 REFERENCE = "upstream"  # the speedups' reference
-EXACT_REFERENCE = "eager"  # bit_exact compares graph's saved files with its
+EXACT_REFERENCE = "eager"  # bit_exact compares these modes' saved files with its
+EXACT_MODES = ("graph", "split")  # only our write, or the grouping, differs
 CHECK_PROMPTS = 4
 WORKLOADS = ("prefill", "decode")
 PLUGIN = "cg_extract"
@@ -134,6 +146,10 @@ def engine_kwargs(args: Any, mode: str, storage: Path) -> dict[str, Any]:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.dummy_model:
         kwargs["load_format"] = "dummy"
+    if args.family:
+        from tests.model_families import family_engine_args
+
+        kwargs.update(family_engine_args(args.family))
     if cpu:
         kwargs.update(
             **cpu_engine.target_graphs_kwargs(),
@@ -391,9 +407,14 @@ def run(args: Any, sampler: Any, emit: Callable[[list[dict[str, Any]]], None]) -
     """Run the modes one engine at a time; emit each mode's rows as it ends."""
     load_our_plugin()
     if args.dummy_model:
+        from tests.model_families import write_family_dir
         from vllm_on_cpu.harness import write_model_dir
 
-        args.model = str(write_model_dir(Path(tempfile.mkdtemp()) / "model"))
+        folder = Path(tempfile.mkdtemp()) / "model"
+        if args.family:
+            args.model = str(write_family_dir(folder, args.family))
+        else:
+            args.model = str(write_model_dir(folder))
     storage = Path(tempfile.mkdtemp(prefix="cg_extract_sweep_", dir=storage_dir(args)))
     done: dict[str, dict[int, dict[str, Any]]] = {}  # mode -> size -> row
     checked: dict[str, dict[int, SizeResult]] = {}  # the references' check runs
@@ -471,10 +492,10 @@ def fill_ratios(row: dict[str, Any], by_mode: dict[str, dict[str, Any]]) -> None
 
 
 def bit_exact(mode: str, ours: SizeResult, eager: SizeResult | None) -> bool | None:
-    """``graph``'s check run saved the same files and generated the same
-    tokens as ``eager``'s, byte for byte; None for the other modes and
-    without an ``eager`` run."""
-    if mode != "graph" or eager is None:
+    """``mode``'s check run (one of :data:`EXACT_MODES`) saved the same files
+    and generated the same tokens as ``eager``'s, byte for byte; None for the
+    other modes and without an ``eager`` run."""
+    if mode not in EXACT_MODES or eager is None:
         return None
     return ours.digests == eager.digests
 

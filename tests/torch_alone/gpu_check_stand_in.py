@@ -1,6 +1,6 @@
 """A STAND-IN for the CUDA steps of ``perf/gpu_check.sh``, on a machine
 without CUDA: ``GPU_CHECK_STAND_IN=tests/torch_alone/gpu_check_stand_in.py`` makes the
-script run ``$PY tests/torch_alone/gpu_check_stand_in.py tests|sweep COMMAND...`` instead
+script run ``$PY tests/torch_alone/gpu_check_stand_in.py tests|sweep|split COMMAND...`` instead
 of ``$PY COMMAND...``, so that the verdict branches a GPU run takes run here.
 Nothing it writes is a GPU result; the script's summary says so.
 
@@ -11,6 +11,9 @@ Nothing it writes is a GPU result; the script's summary says so.
 * ``failed``: one of the two tests fails;
 * ``skipped``: the real ``pytest -m cuda tests/``, which skips every test here;
 * ``not_exact``: as ``pass``, and one sweep row's ``bit_exact`` made False.
+
+The split step (where vLLM imports) starts no engine: its stand-in writes
+the two rows a run of both modes would, ``split``'s bit-exact.
 """
 
 from __future__ import annotations
@@ -72,6 +75,17 @@ def stand_in_sweep(command: list[str]) -> int:
     return rc
 
 
+SPLIT_ROWS = "engine,mode,num_tokens,tokens_per_s,bit_exact\nvllm,eager,8,50.0,\nvllm,split,8,40.0,True\n"
+
+
+def stand_in_split(command: list[str]) -> int:
+    out = Path(command[command.index("--out") + 1])
+    out.write_text(SPLIT_ROWS)
+    print(f"STAND-IN rows, no engine ran:\n{SPLIT_ROWS}")
+    return 0
+
+
 if __name__ == "__main__":
     step, *command = sys.argv[1:]
-    sys.exit({"tests": stand_in_tests, "sweep": stand_in_sweep}[step](command))
+    steps = {"tests": stand_in_tests, "sweep": stand_in_sweep, "split": stand_in_split}
+    sys.exit(steps[step](command))

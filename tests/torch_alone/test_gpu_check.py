@@ -89,12 +89,19 @@ def read_archived(out: Path, name: str) -> str:
 
 A_GPU_RUNS_FILES = {"env.log", "collect.log", "pytest.log", "junit.xml", "sweep.log",
                     "kernel.csv", "kernel.png", "kernel.meta.json"}  # fmt: skip
+# Where vLLM imports, the split step's too (the stand-in's: no plot).
+SPLIT_FILES = {"split.log", "split.csv"}
 
 
 @pytest.mark.parametrize(
     ("outcome", "status", "verdict"),
     [
-        ("pass", PASSED, "passed: the cuda tests (2 run) and the kernel sweep"),
+        (
+            "pass",
+            PASSED,
+            "passed: the cuda tests (2 run), the kernel sweep and the "
+            "split_kv_cache_groups measurement",
+        ),
         ("failed", FAILED, "a CUDA step failed: cuda tests (pytest.log)"),
         ("skipped", FAILED, "a CUDA step failed: every cuda test skipped (pytest.log)"),
         (
@@ -109,17 +116,36 @@ def test_the_cuda_steps_verdicts_with_stand_in_results(
 ):
     """The branches a GPU run takes, the CUDA steps' results written by a
     STAND-IN (no GPU runs): a pass, a failed test, every cuda test skipped
-    (pytest's exit 0 is no pass then), a row that is not bit-exact."""
+    (pytest's exit 0 is no pass then), a row that is not bit-exact. The
+    split step's two outcomes: the pass runs where vLLM imports (this
+    interpreter's, not hidden), so the step runs (its stand-in's rows); the
+    others as the GPU machine, without vLLM, where it says it was not run
+    and the verdict is the other steps'."""
     out = tmp_path / "out"
+    vllm = outcome == "pass"
     done = run_check(
-        ROOT, out, GPU_CHECK_STAND_IN=str(STAND_IN), GPU_CHECK_STAND_IN_OUTCOME=outcome
+        ROOT,
+        out,
+        GPU_CHECK_STAND_IN=str(STAND_IN),
+        GPU_CHECK_STAND_IN_OUTCOME=outcome,
+        **({"PYTHONPATH": ""} if vllm else {}),
     )
     log = done.stdout + done.stderr
     summary = (out / "summary.txt").read_text().splitlines()
     assert any(line.startswith("STAND-IN: no GPU ran") for line in summary), log
     assert summary[-1] == f"gpu_check: {verdict} [STAND-IN results: no GPU ran]", log
     assert done.returncode == status, log
-    assert archived(out) == A_GPU_RUNS_FILES
+    split = [line for line in summary if line.startswith("split: ")]
+    if vllm:
+        assert split[0].startswith("split: exit 0, "), log
+        assert archived(out) == A_GPU_RUNS_FILES | SPLIT_FILES
+    else:
+        assert split == [
+            "split: not run: vLLM is not importable here (env.log), and the "
+            "split_kv_cache_groups measurement runs vLLM's engine (its CPU "
+            "figures: docs/measurements.md)"
+        ], log
+        assert archived(out) == A_GPU_RUNS_FILES
 
 
 def test_an_unguarded_vllm_import_makes_the_rehearsal_fail(tmp_path):

@@ -31,6 +31,7 @@ def args_for(**overrides) -> Namespace:
         device="cpu",
         model="m",
         dummy_model=True,
+        family=None,
         dtype="fp32",
         seed=0,
         clients=2,
@@ -63,6 +64,10 @@ def test_each_mode_gets_its_speculator_and_connector(device, tmp_path):
     spec = {m: kwargs[m]["speculative_config"] for m in ("upstream", "eager", "graph")}
     assert "cudagraph" not in spec["upstream"]  # vLLM's class refuses our keys
     assert spec["eager"]["cudagraph"] is False and spec["graph"]["cudagraph"] is True
+    # split: eager's keys and the one it is named for, which no other mode has
+    split = kwargs["split"]["speculative_config"]
+    assert split == {**spec["eager"], "split_kv_cache_groups": True}
+    assert not any("split_kv_cache_groups" in s for s in spec.values())
     for mode in ("upstream", "eager", "graph"):
         hf = spec[mode]["draft_model_config"]["hf_config"]
         assert hf["eagle_aux_hidden_state_layer_ids"] == [1, 2]
@@ -96,6 +101,7 @@ def test_engine_processes_load_the_plugin_only_for_ours(monkeypatch):
         "upstream": "",
         "eager": "cg_extract",
         "graph": "cg_extract",
+        "split": "cg_extract",
     }
     assert os.environ["VLLM_PLUGINS"] == "someone_elses"
 
@@ -106,6 +112,8 @@ def test_engine_processes_load_the_plugin_only_for_ours(monkeypatch):
         (["--max-tokens", "5"], "--max-tokens 5: --workload prefill generates one"),
         (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
         (["--modes", "per_layer"], "engine 'vllm' has no mode per_layer"),
+        (["--family", "gpt_oss", "--model", "m"], "--model or --family, not both"),
+        (["--family", "llama_bf16_aux"], "invalid choice: 'llama_bf16_aux'"),
     ],
 )
 def test_bad_vllm_input_is_refused(argv, message, monkeypatch, capsys, tmp_path):
@@ -141,6 +149,27 @@ def test_references_run_first_whatever_the_order_asked(monkeypatch, tmp_path):
     )  # fmt: skip
     assert args.modes_for["vllm"] == ["baseline", "upstream", "eager", "graph"]
     assert (args.dtype, args.max_tokens, args.dummy_model) == ("fp32", 1, True)
+
+
+def test_split_runs_only_when_named_on_a_family(monkeypatch, tmp_path):
+    """``split`` costs an engine and changes nothing on the tiny Llama: not
+    a default mode; named, with ``--family``, the model is that family's
+    tiny config in its dtype, on a GPU too (no --model needed)."""
+    monkeypatch.setattr(vllm_engine, "prepare", lambda device: None)
+    out = ["--out", str(tmp_path / "s.csv")]
+    default = sweep.parse_args(["--engine", "vllm", "--device", "cpu", *out])
+    assert default.modes_for["vllm"] == ["baseline", "upstream", "eager", "graph"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for family, dtype in [("gpt_oss", "fp32"), ("qwen3_next", "bf16")]:
+        args = sweep.parse_args(
+            ["--engine", "vllm", "--family", family, "--modes", "split", "eager", *out]
+        )
+        assert args.modes_for["vllm"] == ["eager", "split"]
+        assert (args.device, args.dummy_model, args.dtype) == ("cuda", True, dtype)
+        assert (
+            sweep.vllm_model_name(args)
+            == f"tiny dummy {family} (tests/model_families.py)"
+        )
 
 
 # --------------------------------------------------------------------------
@@ -260,6 +289,7 @@ def test_modes_run_one_engine_at_a_time(monkeypatch):
     by_mode = run_with_stand_in(monkeypatch, graph_files_differ=False)
     assert EngineStandIn.most_alive == 1 and not EngineStandIn.alive
     assert by_mode["graph"]["bit_exact"] is True  # against eager, the reference
+    assert by_mode["split"]["bit_exact"] is True
     assert by_mode["eager"]["close_to_upstream"] is True
     assert by_mode["graph"]["close_to_upstream"] is True
     assert by_mode["baseline"]["bit_exact"] is None

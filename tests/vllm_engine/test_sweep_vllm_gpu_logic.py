@@ -191,7 +191,7 @@ class BatchSensitiveEngine(FakeAsyncLLM):
 def fake_gpu_args(tmp_path, **overrides):
     from argparse import Namespace
 
-    values = dict(device="cpu", model=str(tmp_path), dummy_model=False,
+    values = dict(device="cpu", model=str(tmp_path), dummy_model=False, family=None,
                   dtype="fp32", seed=0, clients=8, gpu_memory_utilization=None,
                   prompt_len=16, max_tokens=4, workload="decode", layers=[1, 2],
                   capture_sizes=None, sizes=[16], warmup=0, iters=1,
