@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
 from cg_extract import get_logger
 from cg_extract.cache_size import split_hint
-from cg_extract.config import ADDITIONAL_CONFIG_KEY, ExtractGraphConfig
+from cg_extract.config import ADDITIONAL_CONFIG_KEY, METHOD, ExtractGraphConfig
 
 logger = get_logger(__name__)
 
@@ -231,7 +231,7 @@ def refusal_hint(
     capacity the key would give, where it is off, would split the groups and
     the split layout starts."""
     spec = vllm_config.speculative_config
-    if asked(vllm_config) or spec is None or spec.method != "extract_hidden_states":
+    if asked(vllm_config) or spec is None or spec.method != METHOD:
         return None
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         return None

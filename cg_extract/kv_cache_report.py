@@ -44,9 +44,9 @@ def hidden_state_cache_size(
     the speculator writes (``num_aux_layers`` states of ``dtype``); for a
     group of its own, the blocks a request of ``max_model_len`` tokens takes,
     by vLLM's admission arithmetic (each group's ``max_memory_usage_bytes``
-    in pages). Given ``kv_cache_specs`` (the runner's), where the layer's
-    group is billed pool width and ``split_kv_cache_groups`` could be on,
-    the target's capacity with it on, by vLLM's layout of the same specs."""
+    in pages). Given ``kv_cache_specs`` (the runner's), where the bill
+    warning names pool width and ``split_kv_cache_groups`` could be on, the
+    target's capacity with it on, by vLLM's layout of the same specs."""
     name = layer_name
     groups = kv_cache_config.kv_cache_groups
     tensors = kv_cache_config.kv_cache_tensors
@@ -68,16 +68,11 @@ def hidden_state_cache_size(
     pools = {t.host_resident: t.size for t in tensors}
     others = [(i, g) for i, g in enumerate(groups) if i != index]
     own_group = group.layer_names == [name]
-    request_blocks = split_capacity = None
+    request_blocks = None
     if own_group:
         pages = [_request_pages(vllm_config, g) for g in groups]
         request_blocks = (pages[index], sum(pages))
-        if kv_cache_specs is not None and _could_split(vllm_config, kv_cache_config):
-            memory, _ = _budget(vllm_config, kv_cache_config)
-            split_capacity = kv_cache_groups.split_capacity(
-                vllm_config, [kv_cache_specs], [memory]
-            )
-    return HiddenStateCacheSize(
+    size = HiddenStateCacheSize(
         num_aux_layers=num_aux_layers,
         hidden_size=vllm_config.model_config.get_hidden_size(),
         dtype_bytes=dtype.itemsize,
@@ -96,8 +91,18 @@ def hidden_state_cache_size(
         request_blocks=request_blocks,
         max_model_len=vllm_config.model_config.max_model_len,
         parallelism=_parallelism(vllm_config),
-        split_capacity=split_capacity,
     )
+    # Laid out only for the warning that names it: pool width is a cause.
+    warned_of_width = size.bill_more_than_doubles and size.pool_width_bytes > 0
+    if kv_cache_specs is None or not warned_of_width:
+        return size
+    if not _could_split(vllm_config, kv_cache_config):
+        return size
+    memory, _ = _budget(vllm_config, kv_cache_config)
+    split_capacity = kv_cache_groups.split_capacity(
+        vllm_config, [kv_cache_specs], [memory]
+    )
+    return dataclasses.replace(size, split_capacity=split_capacity)
 
 
 def _could_split(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
