@@ -10,3 +10,27 @@ def get_logger(module: str):
     from vllm.logger import init_logger
 
     return init_logger(f"vllm.{module}")
+
+
+def speaks(vllm_config) -> bool:
+    """Whether this rank logs for the speculator: the first rank of the last
+    pipeline stage (the stage that holds the speculator) of DP index 0. vLLM's
+    first rank is not enough: with pipeline parallelism it holds no
+    speculator, and vLLM runs a dense model's DP ranks as independent
+    engines, each its own world of DP rank 0
+    (``reconfigure_for_independent_dp_rank``); only ``data_parallel_index``
+    keeps the rank it was given."""
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        get_world_group,
+        is_global_first_rank,
+        model_parallel_is_initialized,
+    )
+
+    if vllm_config.parallel_config.data_parallel_index != 0:
+        return False
+    if not model_parallel_is_initialized():
+        return is_global_first_rank()
+    # The pipeline that starts at the world's first rank, at its last stage.
+    pp = get_pp_group()
+    return pp.is_last_rank and pp.ranks[0] == get_world_group().ranks[0]

@@ -50,7 +50,7 @@ class WidestGroup:
 class Parallelism:
     """Whose KV cache the worker that logs sees: ``vllm_config.parallel_config``'s
     sizes. Only the last pipeline stage holds the hidden-state layer, and the
-    rank that speaks for the speculator logs (``speculator._speaks``)."""
+    rank that speaks for the speculator logs (``cg_extract.speaks``)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

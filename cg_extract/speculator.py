@@ -51,7 +51,7 @@ from vllm.v1.worker.gpu.dp_utils import DPSyncState
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-from cg_extract import get_logger, kv_cache_report, target_buffers
+from cg_extract import get_logger, kv_cache_report, speaks, target_buffers
 from cg_extract.cache_backend import report_graph_support
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.config import ExtractGraphConfig, given_keys
@@ -133,7 +133,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         self.cache_layer = forward_context[self.layer_name]
         # Before the runner builds its attention groups, so the draft layer
         # does not lower the target's graph mode (see cache_backend).
-        report_graph_support(self.cache_layer, warn=_speaks(self.vllm_config))
+        report_graph_support(self.cache_layer, warn=speaks(self.vllm_config))
         if self.cache_layer.kv_cache_torch_dtype != self.dtype:
             raise ValueError(
                 f"the hidden-state cache is {self.cache_layer.kv_cache_torch_dtype} "
@@ -192,7 +192,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         """Once per process, from the rank that speaks for the speculator
         (vLLM's default scope, each node's first rank, holds none of it
         with pipeline parallelism)."""
-        if _speaks(self.vllm_config):
+        if speaks(self.vllm_config):
             logger.info_once(msg, *args, scope="process")
 
     # ------------------------------------------------------------------
@@ -221,7 +221,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         core grouped), the target's KV capacity with extraction and with no
         speculative config. Never raises: a report must not stop an engine
         that vLLM could start."""
-        if self._cache_size_reported or not _speaks(self.vllm_config):
+        if self._cache_size_reported or not speaks(self.vllm_config):
             return
         self._cache_size_reported = True
         try:
@@ -329,10 +329,10 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         manager = self.cudagraph_manager
         if manager is None:
             return
-        speaks = _speaks(self.vllm_config) and not self._profiling
+        loud = speaks(self.vllm_config) and not self._profiling
         persistent, zero_copy_sizes = self._persistent_inputs()
-        graphs = manager.capture(persistent, zero_copy_sizes, progress=speaks)
-        if speaks:
+        graphs = manager.capture(persistent, zero_copy_sizes, progress=loud)
+        if loud:
             logger.info(
                 "extract_hidden_states: captured %s graphs for %s tokens "
                 "(zero-copy for %s) in %.2f s: static buffers %.1f MiB, "
@@ -493,30 +493,6 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         del dp_sync_state
         graphs = self.graphs
         return graphs.padded_size(num_tokens) if graphs is not None else None
-
-
-def _speaks(vllm_config: VllmConfig) -> bool:
-    """Whether this rank logs for the speculator: the first rank of the last
-    pipeline stage (the stage that holds the speculator) of DP index 0. vLLM's
-    first rank is not enough: with pipeline parallelism it holds no
-    speculator, and vLLM runs a dense model's DP ranks as independent
-    engines, each its own world of DP rank 0
-    (``reconfigure_for_independent_dp_rank``); only ``data_parallel_index``
-    keeps the rank it was given."""
-    from vllm.distributed.parallel_state import (
-        get_pp_group,
-        get_world_group,
-        is_global_first_rank,
-        model_parallel_is_initialized,
-    )
-
-    if vllm_config.parallel_config.data_parallel_index != 0:
-        return False
-    if not model_parallel_is_initialized():
-        return is_global_first_rank()
-    # The pipeline that starts at the world's first rank, at its last stage.
-    pp = get_pp_group()
-    return pp.is_last_rank and pp.ranks[0] == get_world_group().ranks[0]
 
 
 def _reason(error: Exception) -> str:
