@@ -148,7 +148,7 @@ def _graph_keys_without_graphs(sources: Mapping[str, str]) -> None:
     from cg_extract import get_logger
 
     get_logger(__name__).warning(
-        "%s unused: %s key 'cudagraph' is false, so no graphs are captured",
+        "cg_extract: %s unused: %s key 'cudagraph' is false, so no graphs are captured",
         ", ".join(given),
         sources["cudagraph"],
     )

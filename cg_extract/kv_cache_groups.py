@@ -34,7 +34,7 @@ from typing import Any
 from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
 from cg_extract import get_logger
-from cg_extract.cache_size import split_hint
+from cg_extract.cache_size import SPLIT_DOCS, split_hint
 from cg_extract.config import ADDITIONAL_CONFIG_KEY, METHOD, ExtractGraphConfig
 
 logger = get_logger(__name__)
@@ -241,7 +241,7 @@ def refusal_hint(
         tokens, concurrency = split_capacity(vllm_config, kv_cache_specs, memory)
     except ValueError:
         return None
-    return f"It would start with {split_hint(tokens, concurrency)}."
+    return f"{split_hint(tokens, concurrency)} and starts; see {SPLIT_DOCS}."
 
 
 def split_capacity(

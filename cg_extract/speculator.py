@@ -205,55 +205,21 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
     ) -> None:
         """The runner initialised a KV cache: the memory profiler's
         (``is_profiling``), against which vLLM captures graphs, measures and
-        drops them, or the real one. The plugin calls this; only the real
-        one's cache size and capture are logged."""
+        drops them, or the real one, whose cost (given ``kv_cache_specs``,
+        the runner's, also the capacity without extraction) is logged once
+        per engine from the rank that speaks. The plugin calls this."""
         self._profiling = is_profiling
-        if not is_profiling:
-            self.report_cache_size(kv_cache_specs)
-
-    def report_cache_size(
-        self, kv_cache_specs: Callable[[], dict[str, Any]] | None = None
-    ) -> None:
-        """Log what extraction costs in KV cache, once per engine, from the
-        rank that speaks for the speculator: what vLLM bills the hidden-state
-        cache (a WARNING naming the causes when that is more than twice its
-        states) and, given ``kv_cache_specs`` (the runner's, what the engine
-        core grouped), the target's KV capacity with extraction and with no
-        speculative config. Never raises: a report must not stop an engine
-        that vLLM could start."""
-        if self._cache_size_reported or not speaks(self.vllm_config):
+        if is_profiling or self._cache_size_reported or not speaks(self.vllm_config):
             return
         self._cache_size_reported = True
-        try:
-            specs = kv_cache_specs() if kv_cache_specs is not None else None
-            size = kv_cache_report.hidden_state_cache_size(
-                self.vllm_config,
-                self.layer_name,
-                self.num_hidden_states,
-                self.dtype,
-                self.kv_cache_config,
-                specs,
-            )
-        except Exception as why:  # a layout this reading does not know
-            logger.warning(
-                "extract_hidden_states: cache size not reported: %s", _reason(why)
-            )
-            return
-        logger.info(size.summary())
-        if size.bill_more_than_doubles:
-            logger.warning(size.bill_warning())
-        if specs is None:
-            return
-        try:
-            capacity = kv_cache_report.kv_capacity(
-                self.vllm_config, self.layer_name, self.kv_cache_config, specs
-            )
-        except Exception as why:  # vLLM's own functions, on specs it never saw
-            logger.warning(
-                "extract_hidden_states: KV capacity not reported: %s", _reason(why)
-            )
-            return
-        logger.info(capacity.summary())
+        kv_cache_report.report(
+            self.vllm_config,
+            self.layer_name,
+            self.num_hidden_states,
+            self.dtype,
+            self.kv_cache_config,
+            kv_cache_specs,
+        )
 
     # ------------------------------------------------------------------
     # CUDA graphs
@@ -493,10 +459,3 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         del dp_sync_state
         graphs = self.graphs
         return graphs.padded_size(num_tokens) if graphs is not None else None
-
-
-def _reason(error: Exception) -> str:
-    """Our own refusals say why; anything else also says what it was."""
-    if isinstance(error, ValueError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"

@@ -84,11 +84,23 @@ def model_dir(tmp_path_factory):
     return write_model_dir(tmp_path_factory.mktemp("model"))
 
 
+class OurLog(list):
+    """Our loggers' INFO and louder messages, in order; ``debug`` their
+    DEBUG ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.debug: list[str] = []
+
+
 @pytest.fixture
 def cg_extract_log():
-    """Messages our ``vllm.cg_extract.*`` loggers emit during the test.
+    """Messages our ``vllm.cg_extract.*`` loggers emit during the test
+    (DEBUG in ``.debug``), each checked to read like vLLM's own start-up
+    lines when the test ends (``assert_reads_like_vllms``).
 
-    Recorded by a filter on each of our module loggers: whenever vLLM
+    Recorded by a filter on each of our module loggers, set to DEBUG for the
+    test (vLLM's handler still prints INFO and up): whenever vLLM
     (re)configures logging it stops its tree propagating to the root and
     clears the handlers of loggers below it, so neither pytest's ``caplog``
     nor a handler of ours would see every record; filters stay.
@@ -96,24 +108,34 @@ def cg_extract_log():
     import logging
 
     import cg_extract.cache_backend
+    import cg_extract.kv_cache_report
     import cg_extract.plugin
     import cg_extract.speculator  # noqa: F401  (their module loggers exist)
+    from tests.torch_alone.test_cache_size import assert_reads_like_vllms
 
-    messages: list[str] = []
+    messages = OurLog()
+    records: list[logging.LogRecord] = []
 
     def record(rec: logging.LogRecord) -> bool:
-        messages.append(rec.getMessage())
+        records.append(rec)
+        kept = messages if rec.levelno > logging.DEBUG else messages.debug
+        kept.append(rec.getMessage())
         return True
 
-    ours = [
+    ours = {
         logging.getLogger(name)
         for name in logging.root.manager.loggerDict
         if name.startswith("vllm.cg_extract.")
-    ]
+    }
+    levels = {logger: logger.level for logger in ours}
     for logger in ours:
         logger.addFilter(record)
+        logger.setLevel(logging.DEBUG)
     try:
         yield messages
     finally:
         for logger in ours:
             logger.removeFilter(record)
+            logger.setLevel(levels[logger])
+    for rec in records:
+        assert_reads_like_vllms(rec.levelname, rec.getMessage())

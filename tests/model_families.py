@@ -252,8 +252,8 @@ def kv_page(config: dict, dtype_bytes: int, block_size: int) -> int:
 
 
 def expected_bill(family: str, groups: list[dict], num_blocks: int) -> dict[str, int]:
-    """The bill line's figures: ``groups`` as :func:`reported_groups` gives
-    them, in ``num_blocks`` blocks.
+    """The bill's figures, as our DEBUG line gives them: ``groups`` as
+    :func:`reported_groups` gives them, in ``num_blocks`` blocks.
     A group of its own is billed a whole pool block, as wide as the widest
     group, for each of its blocks; in the target's one group, its page."""
     config = family_config(family)
@@ -278,12 +278,10 @@ def expected_bill(family: str, groups: list[dict], num_blocks: int) -> dict[str,
     return {
         "bill": billed * num_blocks,
         "kv_cache": pool_block * num_blocks,
-        "tokens": block * num_blocks,
         "blocks": num_blocks,
         "block_size": block,
         "block_bill": billed,
         "states": states,
-        "waste": (billed - states) * num_blocks,
         "padding": (page - states) * num_blocks,
         "pool_width": (billed - page) * num_blocks,
         "page": page,

