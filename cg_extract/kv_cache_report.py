@@ -121,11 +121,11 @@ def hidden_state_cache_size(
             vllm_config.parallel_config.data_parallel_size,
         ),
     )
-    # Laid out only for the warning that names it.
+    # Laid out only for the warning that names it, where the key is off
+    # (split groups have one layer each) and allowed.
     if (
         kv_cache_specs is None
         or not (size.bill_more_than_doubles and size.pool_width_bytes)
-        or kv_cache_groups.asked(vllm_config)
         or vllm_config.parallel_config.pipeline_parallel_size > 1
         or kv_cache_groups.why_unsplit(groups) is not None
     ):

@@ -331,6 +331,23 @@ def test_every_family_is_billed_what_vllms_config_charges(
         )
 
 
+def test_the_key_is_not_named_where_pipeline_parallelism_refuses_it(
+    family_layouts, cg_extract_log, monkeypatch
+):
+    """GPT-OSS's warning, on the last of two stages: pool width named, the
+    key not (PP refuses it); the other families are not warned at all."""
+    family, with_it, _ = family_layouts
+    parallel = with_it.vllm_config.parallel_config
+    monkeypatch.setattr(parallel, "pipeline_parallel_size", 2)
+    report(with_it.speculator, lambda: with_it.specs)
+    warned = warnings(cg_extract_log)
+    if family != "gpt_oss":
+        assert warned == [], family
+        return
+    (warning,) = warned
+    assert "pool width 32,768 bytes a block); see " in warning
+
+
 def test_every_familys_capacity_without_extraction_is_vllms_without_it(
     family_layouts, cg_extract_log
 ):
