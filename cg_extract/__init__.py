@@ -1,5 +1,9 @@
 """CUDA-graph-enabled extract_hidden_states speculator for vLLM Model Runner V2."""
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 __version__ = "0.1.0"
 
 
@@ -34,3 +38,24 @@ def speaks(vllm_config) -> bool:
     # The pipeline that starts at the world's first rank, at its last stage.
     pp = get_pp_group()
     return pp.is_last_rank and pp.ranks[0] == get_world_group().ranks[0]
+
+
+def wrap_once(owner: Any, name: str) -> Callable[[Callable[..., Any]], None]:
+    """Install the decorated function in place of vLLM's ``owner.<name>``,
+    called with vLLM's original first; once per process (vLLM loads plugins
+    in every process, some more than once), the original still reachable as
+    ``__wrapped__``."""
+
+    def install(replacement: Callable[..., Any]) -> None:
+        original = getattr(owner, name)
+        if getattr(original, "_cg_extract", False):
+            return
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return replacement(original, *args, **kwargs)
+
+        wrapper._cg_extract = True  # type: ignore[attr-defined]
+        setattr(owner, name, wrapper)
+
+    return install

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
-from cg_extract import get_logger
+from cg_extract import get_logger, wrap_once
 from cg_extract.cache_size import SPLIT_DOCS, split_hint
 from cg_extract.config import ADDITIONAL_CONFIG_KEY, METHOD, ExtractGraphConfig
 
@@ -154,18 +153,14 @@ def original_grouping() -> Callable[..., list[Any]]:
 
 def install() -> None:
     """Idempotent; on a tested vLLM only."""
-    module = _grouping_module()
-    original = module.get_kv_cache_groups
-    if getattr(original, "_cg_extract", False):
-        return
 
-    @functools.wraps(original)
-    def get_kv_cache_groups(vllm_config: Any, kv_cache_spec: Any) -> list[Any]:
+    @wrap_once(_grouping_module(), "get_kv_cache_groups")
+    def get_kv_cache_groups(
+        original: Callable, vllm_config: Any, kv_cache_spec: Any
+    ) -> list[Any]:
         groups = original(vllm_config, kv_cache_spec)
         return split(groups) if asked(vllm_config) else groups
 
-    get_kv_cache_groups._cg_extract = True  # type: ignore[attr-defined]
-    module.get_kv_cache_groups = get_kv_cache_groups
     _install_engine_core_layout()
 
 
@@ -176,12 +171,9 @@ def _install_engine_core_layout() -> None:
     layout would start."""
     from vllm.v1.engine import core
 
-    original = core.get_kv_cache_configs
-    if getattr(original, "_cg_extract", False):
-        return
-
-    @functools.wraps(original)
+    @wrap_once(core, "get_kv_cache_configs")
     def get_kv_cache_configs(
+        original: Callable,
         vllm_config: Any,
         kv_cache_specs: list[dict[str, Any]],
         available_memory: list[int],
@@ -200,9 +192,6 @@ def _install_engine_core_layout() -> None:
         if asked(vllm_config):
             _say_what_splitting_did(vllm_config, kv_cache_specs)
         return configs
-
-    get_kv_cache_configs._cg_extract = True  # type: ignore[attr-defined]
-    core.get_kv_cache_configs = get_kv_cache_configs
 
 
 def _merged(kv_cache_specs: list[dict[str, Any]]) -> dict[str, Any]:

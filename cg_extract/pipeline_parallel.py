@@ -36,11 +36,12 @@ earlier stages' own KV cache, which the stand-in would silently drop).
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.worker.gpu.kv_connector import KVConnector
 
+from cg_extract import wrap_once
 from cg_extract.config import METHOD
 
 DRAFT_ARCHITECTURE = "ExtractHiddenStatesModel"
@@ -81,21 +82,17 @@ def install() -> None:
 def _install_draft_answer() -> None:
     from vllm.model_executor.models.registry import _ModelRegistry
 
-    original = _ModelRegistry.is_pp_supported_model
-    if getattr(original, "_cg_extract", False):
-        return
-
-    @functools.wraps(original)
+    @wrap_once(_ModelRegistry, "is_pp_supported_model")
     def is_pp_supported_model(
-        self: Any, architectures: str | list[str], model_config: Any
+        original: Callable,
+        self: Any,
+        architectures: str | list[str],
+        model_config: Any,
     ) -> bool:
         names = [architectures] if isinstance(architectures, str) else architectures
         if list(names) == [DRAFT_ARCHITECTURE]:
             return True  # it runs on the last stage alone
         return original(self, architectures, model_config)
-
-    is_pp_supported_model._cg_extract = True  # type: ignore[attr-defined]
-    _ModelRegistry.is_pp_supported_model = is_pp_supported_model
 
 
 # ----------------------------------------------------------------------
@@ -105,12 +102,10 @@ def _install_draft_answer() -> None:
 def _install_stage_connector() -> None:
     from vllm.v1.worker.gpu import model_runner
 
-    original = model_runner.get_kv_connector
-    if getattr(original, "_cg_extract", False):
-        return
-
-    @functools.wraps(original)
-    def get_kv_connector(vllm_config: Any, kv_caches_dict: dict[str, Any]) -> Any:
+    @wrap_once(model_runner, "get_kv_connector")
+    def get_kv_connector(
+        original: Callable, vllm_config: Any, kv_caches_dict: dict[str, Any]
+    ) -> Any:
         if extracts_across_stages(vllm_config) and not _holds_hidden_state_layer(
             vllm_config, kv_caches_dict
         ):
@@ -123,9 +118,6 @@ def _install_stage_connector() -> None:
                 count = get_kv_transfer_group().get_finished_count()
                 return HiddenStatesOnLastStage(every_worker_reports=count is None)
         return original(vllm_config, kv_caches_dict)
-
-    get_kv_connector._cg_extract = True  # type: ignore[attr-defined]
-    model_runner.get_kv_connector = get_kv_connector
 
 
 def _holds_hidden_state_layer(vllm_config: Any, kv_caches_dict: dict[str, Any]) -> bool:

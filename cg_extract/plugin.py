@@ -46,7 +46,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from cg_extract import get_logger
+from cg_extract import get_logger, wrap_once
 
 logger = get_logger(__name__)
 
@@ -354,17 +354,10 @@ def _publish_target_graph_outputs() -> None:
 
     from cg_extract import target_buffers
 
-    original = ModelCudaGraphManager.capture
-    if getattr(original, "_cg_extract", False):
-        return
-
-    @functools.wraps(original)
-    def capture(self: ModelCudaGraphManager, *args: Any, **kwargs: Any) -> None:
+    @wrap_once(ModelCudaGraphManager, "capture")
+    def capture(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         target_buffers.publish(self.device, self, planned_full_sizes(self))
-
-    capture._cg_extract = True  # type: ignore[attr-defined]
-    ModelCudaGraphManager.capture = capture
 
 
 def _tell_speculator_of_each_kv_cache() -> None:
@@ -372,13 +365,10 @@ def _tell_speculator_of_each_kv_cache() -> None:
 
     from cg_extract.speculator import ExtractHiddenStatesSpeculator
 
-    original = GPUModelRunner.initialize_kv_cache
-    if getattr(original, "_cg_extract", False):
-        return
-
-    @functools.wraps(original)
+    @wrap_once(GPUModelRunner, "initialize_kv_cache")
     def initialize_kv_cache(
-        self: GPUModelRunner,
+        original: Callable,
+        self: Any,
         kv_cache_config: Any,
         is_profiling: bool = False,
         *args: Any,
@@ -390,9 +380,6 @@ def _tell_speculator_of_each_kv_cache() -> None:
             # The specs the engine core grouped: the capacity without
             # extraction is vLLM's layout of them less the speculator's.
             speculator.kv_cache_initialized(is_profiling, self.get_kv_cache_spec)
-
-    initialize_kv_cache._cg_extract = True  # type: ignore[attr-defined]
-    GPUModelRunner.initialize_kv_cache = initialize_kv_cache
 
 
 def planned_full_sizes(manager: Any) -> list[int]:
