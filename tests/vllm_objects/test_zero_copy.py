@@ -135,6 +135,29 @@ def test_no_zero_copy_without_published_buffers(model_dir):
     assert stats["zero_copy_sizes"] == [] and stats["captured_sizes"] == SIZES
 
 
+def test_no_zero_copy_before_the_runner_shares_its_block_tables(
+    model_dir, cg_extract_log
+):
+    """The target published its buffers, but ``set_attn`` has not run (no
+    slot row to read): copy-in graphs only, and a line says why."""
+    loaded = load_speculator(
+        ExtractHiddenStatesSpeculator,
+        build_vllm_config(model_dir, **GRAPH_KEYS),
+        num_blocks=16,
+    )
+    target = attach_target_graph_outputs(loaded, SIZES)  # published while alive
+    del loaded.speculator.block_tables, loaded.speculator.kv_cache_config
+    loaded.speculator.init_cudagraph_manager(CUDAGraphMode.FULL)
+    loaded.speculator.capture()
+    stats = loaded.speculator.cudagraph_stats()
+    assert stats["zero_copy_sizes"] == [] and stats["captured_sizes"] == SIZES
+    assert target_buffers.get("cpu").full_sizes == tuple(target.full_sizes)
+    assert (
+        "extract_hidden_states: no zero-copy graphs: the runner has not shared "
+        "its block tables." in cg_extract_log
+    ), "\n".join(cg_extract_log)
+
+
 def test_zero_copy_sizes_are_the_targets_full_sizes(model_dir):
     """The target's FULL sizes need not be ours: each gets a zero-copy graph,
     whatever our copy-in sizes; a FULL size replays with no copy, any other
