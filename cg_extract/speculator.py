@@ -30,7 +30,9 @@ One step, from ``propose`` to the KV cache:
    holds the write alone, so no hook runs at capture or inside a replay.
 
 The graphs' life in the worker (memory profiling, re-initialisation,
-elastic EP release and recapture) is :mod:`cg_extract.vllm_graphs`'s.
+elastic EP release and recapture) is :mod:`cg_extract.vllm_graphs`'s, and so
+is their plan: whether there are graphs and on which backend, at which sizes,
+over which of the target's buffers, and the lines that say so.
 """
 
 from __future__ import annotations
