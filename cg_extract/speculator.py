@@ -30,7 +30,9 @@ One step, from ``propose`` to the KV cache:
    holds the write alone, so no hook runs at capture or inside a replay.
 
 The graphs' life in the worker (memory profiling, re-initialisation,
-elastic EP release and recapture) is :mod:`cg_extract.vllm_graphs`'s.
+elastic EP release and recapture) is :mod:`cg_extract.vllm_graphs`'s, and so
+is their plan: whether there are graphs and on which backend, at which sizes,
+over which of the target's buffers, and the lines that say so.
 """
 
 from __future__ import annotations
@@ -51,12 +53,11 @@ from vllm.v1.worker.gpu.dp_utils import DPSyncState
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-from cg_extract import get_logger, kv_cache_report, speaks, target_buffers
+from cg_extract import get_logger, kv_cache_report, speaks
 from cg_extract.cache_backend import report_graph_support
-from cg_extract.capture_sizes import CaptureSizes
-from cg_extract.config import ExtractGraphConfig, given_keys
+from cg_extract.config import ExtractGraphConfig
 from cg_extract.vllm_graphs import SpeculatorGraphs
-from cg_extract.write_graphs import GraphInputs, WriteGraphs
+from cg_extract.write_graphs import WriteGraphs
 from cg_extract.write_op import write_hidden_states
 
 logger = get_logger(__name__)
@@ -188,13 +189,6 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             is_padding=is_padding,
         )
 
-    def _info_once(self, msg: str, *args: Any) -> None:
-        """Once per process, from the rank that speaks for the speculator
-        (vLLM's default scope, each node's first rank, holds none of it
-        with pipeline parallelism)."""
-        if speaks(self.vllm_config):
-            logger.info_once(msg, *args, scope="process")
-
     # ------------------------------------------------------------------
     # The hidden-state cache's size
 
@@ -233,135 +227,32 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         """
         if self.cudagraph_manager is not None:
             self.cudagraph_manager.release_graphs()
-            self.cudagraph_manager = None
-        backend, reason = self._graph_backend(cudagraph_mode)
-        if backend is None:
-            self._info_once("extract_hidden_states runs eagerly: %s.", reason)
-            return
-        self.cudagraph_manager = SpeculatorGraphs(
+        self.cudagraph_manager = SpeculatorGraphs.plan(
             self.vllm_config,
+            self.graph_config,
+            cudagraph_mode,
             self.device,
-            backend,
-            self._capture_sizes(),
             self.num_hidden_states,
-            self.vllm_config.model_config.get_hidden_size(),
             self.dtype,
             # The captured step is the write alone: the connector hooks are
             # host work a replay would skip, so ``propose`` runs them after it.
             write=self._write,
         )
 
-    def _graph_backend(self, mode: CUDAGraphMode) -> tuple[str | None, str]:
-        if not self.graph_config.cudagraph:
-            if "cudagraph" in given_keys(self.vllm_config):
-                return None, "'cudagraph' is false"
-            return None, (
-                'graph mode is off by default; add "cudagraph": true to the '
-                "speculative config to capture the write as CUDA graphs"
-            )
-        if self.speculative_config.enforce_eager:
-            return None, "the speculative config sets enforce_eager"
-        # Any mode with graphs will do: copy-in graphs need nothing of the
-        # target's, and zero-copy ones are captured only where the target
-        # has FULL graphs (see _persistent_inputs).
-        if mode == CUDAGraphMode.NONE:
-            return None, (
-                "the runner's cudagraph_mode is NONE (enforce_eager, or a "
-                "platform without CUDA graphs)"
-            )
-        backend = self.graph_config.cudagraph_backend
-        if backend == "auto":
-            if self.device.type != "cuda":
-                return None, f"backend 'auto' found no CUDA device ({self.device})"
-            backend = "cuda"
-        return backend, ""
-
-    def _capture_sizes(self) -> CaptureSizes:
-        if self.graph_config.cudagraph_capture_sizes is not None:
-            return CaptureSizes(self.graph_config.cudagraph_capture_sizes)
-        # Pad exactly as the target did, so a graph-padded target batch
-        # needs no further padding here.
-        return CaptureSizes.from_vllm_inputs(
-            self.vllm_config.compilation_config.cudagraph_capture_sizes,
-            self.max_num_tokens,
-            self.max_num_reqs,
-            self.vllm_config.uniform_decode_query_len,
-        )
-
     def capture(self) -> None:
         """Allocate the static buffers and capture, inside the window that
         vLLM's ``capture_model`` measures (and its memory profiler reserves
-        KV-cache headroom for)."""
-        manager = self.cudagraph_manager
-        if manager is None:
-            return
-        loud = speaks(self.vllm_config) and not self._profiling
-        persistent, zero_copy_sizes = self._persistent_inputs()
-        graphs = manager.capture(persistent, zero_copy_sizes, progress=loud)
-        if loud:
-            logger.info(
-                "extract_hidden_states: captured %s graphs for %s tokens "
-                "(zero-copy for %s) in %.2f s: static buffers %.1f MiB, "
-                "graphs %.1f MiB",
-                graphs.copy_in.backend,
-                graphs.captured_sizes,
-                graphs.zero_copy_sizes or "none",
-                graphs.capture_time_s,
-                graphs.static_bytes / 2**20,
-                graphs.graph_memory_bytes / 2**20,
+        KV-cache headroom for); the zero-copy graphs read the target's
+        persistent buffers and the slot row ``set_attn`` shared (neither
+        before it)."""
+        if self.cudagraph_manager is not None:
+            self.cudagraph_manager.capture(
+                self.cache_layer.kv_cache,
+                getattr(self, "block_tables", None),
+                getattr(self, "kv_cache_config", None),
+                self.layer_name,
+                quiet=self._profiling,
             )
-
-    def _persistent_inputs(self) -> tuple[GraphInputs | None, list[int]]:
-        """The target's persistent aux buffers and slot row, and
-        the token counts of the target's planned FULL graphs: after a FULL
-        replay of the target, ``propose`` gets views of exactly those.
-
-        Present only once the runner has called ``set_attn`` (block tables)
-        and its graph manager has planned FULL graphs with aux
-        outputs (published by the plugin's capture hook).
-        """
-        target = target_buffers.get(self.device)
-        block_tables = getattr(self, "block_tables", None)
-        kv_cache = self.cache_layer.kv_cache
-        why = None
-        if target is None or not target.full_sizes:
-            why = "the target has no FULL graphs with aux hidden states"
-        elif block_tables is None:
-            why = "the runner has not shared its block tables"
-        elif len(target.aux_hidden_states) != self.num_hidden_states or any(
-            a.dim() != 2 or a.shape[1] != kv_cache.shape[-1]
-            for a in target.aux_hidden_states
-        ):
-            why = "the target's aux buffers do not match the hidden-state cache"
-        elif other := sorted(
-            {str(a.dtype) for a in target.aux_hidden_states} - {str(kv_cache.dtype)}
-        ):
-            # propose converts such states first, as vLLM's speculator does
-            # (_as_model_dtype): what the write then reads is not these buffers.
-            why = (
-                f"the target's aux hidden states are {', '.join(other)}, the "
-                f"hidden-state cache {kv_cache.dtype}; they are converted and "
-                "copied in"
-            )
-        if why is not None:
-            self._info_once("extract_hidden_states: no zero-copy graphs: %s.", why)
-            return None, []
-        groups = self.kv_cache_config.kv_cache_groups
-        (group,) = [i for i, g in enumerate(groups) if self.layer_name in g.layer_names]
-        persistent = GraphInputs(
-            target.aux_hidden_states, block_tables.slot_mappings[group]
-        )
-        # vLLM sizes its buffers for its largest FULL graph, so all fit;
-        # should one not, that size takes the copy-in path.
-        sizes = [s for s in target.full_sizes if s <= persistent.rows]
-        if len(sizes) < len(target.full_sizes):
-            self._info_once(
-                "extract_hidden_states: no zero-copy graphs for the target's FULL "
-                "sizes above its %d buffer rows: %s.",
-                persistent.rows,
-                [s for s in target.full_sizes if s > persistent.rows],
-            )
-        return persistent, sizes
 
     def cudagraph_stats(self) -> dict[str, Any]:
         graphs = self.graphs

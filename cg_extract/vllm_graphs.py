@@ -23,6 +23,14 @@ vLLM's descriptor planning is not used: the base class is built with
 ``CUDAGraphMode.NONE`` (no descriptors, no pool looked up), our sizes are our
 own. That also keeps construction free of CUDA, so the emulated backend runs
 the same lifecycle on CPU.
+
+What the speculator's ``init_cudagraph_manager`` and ``capture`` decide is
+here too, as vLLM's own managers decide it from the config: whether there are
+graphs at all and on which backend (:func:`graph_backend`), for which token
+counts (:func:`capture_sizes`), and which of the target's persistent buffers
+the zero-copy graphs read (:meth:`SpeculatorGraphs.persistent_inputs`). Its
+lines go out once per process, from the rank that speaks for the speculator
+(:func:`cg_extract.speaks`).
 """
 
 from __future__ import annotations
@@ -35,10 +43,107 @@ from typing import Any
 import torch
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
+from cg_extract import get_logger, speaks, target_buffers
 from cg_extract.capture_sizes import CaptureSizes
+from cg_extract.config import ExtractGraphConfig, given_keys
 from cg_extract.write_graphs import GraphInputs, Write, WriteGraphs
+
+logger = get_logger(__name__)
+
+# Every line of ours starts with the method's name: a reader (and a test)
+# finds ours in an engine's log by it. An INFO line's message is at most 200
+# characters, with the longest reason too.
+EAGER = "extract_hidden_states runs eagerly: %s."
+NO_ZERO_COPY = "extract_hidden_states: no zero-copy graphs: %s."
+ABOVE_ROWS = (
+    "extract_hidden_states: no zero-copy graphs above the target's %s buffer "
+    "rows: %s of its FULL sizes, %s."
+)
+MiB = 2**20
+
+
+def info_once(vllm_config: VllmConfig, msg: str, *args: Any) -> None:
+    """Once per process, from the rank that speaks for the speculator
+    (vLLM's default scope, each node's first rank, holds none of it
+    with pipeline parallelism)."""
+    if speaks(vllm_config):
+        logger.info_once(msg, *args, scope="process")
+
+
+def graph_backend(
+    vllm_config: VllmConfig,
+    graph_config: ExtractGraphConfig,
+    mode: CUDAGraphMode,
+    device: torch.device,
+) -> tuple[str | None, str]:
+    """The backend to capture on, or None and why the speculator runs eagerly
+    (what to change, for the user who wants graphs)."""
+    if not graph_config.cudagraph:
+        if "cudagraph" in given_keys(vllm_config):
+            return None, "'cudagraph' is false"
+        return None, (
+            'graph mode is off by default; add "cudagraph": true to the '
+            "speculative config to capture the write as CUDA graphs"
+        )
+    assert vllm_config.speculative_config is not None
+    if vllm_config.speculative_config.enforce_eager:
+        return None, "the speculative config sets enforce_eager"
+    # Any mode with graphs will do: copy-in graphs need nothing of the
+    # target's, and zero-copy ones are captured only where the target
+    # has FULL graphs (see SpeculatorGraphs.persistent_inputs).
+    if mode == CUDAGraphMode.NONE:
+        return None, (
+            "the runner's cudagraph_mode is NONE (enforce_eager, or a "
+            "platform without CUDA graphs)"
+        )
+    backend = graph_config.cudagraph_backend
+    if backend == "auto":
+        if device.type != "cuda":
+            return None, f"backend 'auto' found no CUDA device ({device})"
+        backend = "cuda"
+    return backend, ""
+
+
+def capture_sizes(
+    vllm_config: VllmConfig, graph_config: ExtractGraphConfig
+) -> CaptureSizes:
+    """Our sizes when given, else the target's, padded exactly as the target
+    pads, so that a graph-padded target batch needs no further padding."""
+    if graph_config.cudagraph_capture_sizes is not None:
+        return CaptureSizes(graph_config.cudagraph_capture_sizes)
+    scheduler = vllm_config.scheduler_config
+    return CaptureSizes.from_vllm_inputs(
+        vllm_config.compilation_config.cudagraph_capture_sizes,
+        scheduler.max_num_batched_tokens,
+        scheduler.max_num_seqs,
+        vllm_config.uniform_decode_query_len,
+    )
+
+
+def capture_line(graphs: WriteGraphs) -> str:
+    """The one INFO line of a capture: counts and ranges, not the lists
+    (those go to DEBUG), numbers as vLLM writes its own."""
+    sizes, zero_copy = graphs.captured_sizes, graphs.zero_copy_sizes
+    zero = (
+        f"{len(zero_copy):,} zero-copy for {_span(zero_copy)}"
+        if zero_copy
+        else "no zero-copy"
+    )
+    return (
+        f"extract_hidden_states: captured {len(sizes):,} {graphs.copy_in.backend} "
+        f"graphs for {_span(sizes)} tokens ({zero}) in {graphs.capture_time_s:,.2f} s, "
+        f"{graphs.static_bytes / MiB:,.2f} MiB static buffers, "
+        f"{graphs.graph_memory_bytes / MiB:,.2f} MiB graphs"
+    )
+
+
+def _span(sizes: Sequence[int]) -> str:
+    low, high = min(sizes), max(sizes)
+    return f"{low:,}" if low == high else f"{low:,}-{high:,}"
 
 
 class SpeculatorGraphs(CudaGraphManager):
@@ -65,16 +170,111 @@ class SpeculatorGraphs(CudaGraphManager):
         self.write = write  # the captured step, as WriteGraphs takes it
         self.write_graphs: WriteGraphs | None = None
 
+    @classmethod
+    def plan(
+        cls,
+        vllm_config: VllmConfig,
+        graph_config: ExtractGraphConfig,
+        mode: CUDAGraphMode,
+        device: torch.device,
+        num_layers: int,
+        dtype: torch.dtype,
+        write: Write,
+    ) -> SpeculatorGraphs | None:
+        """The manager for the runner's ``mode``, allocating nothing; None,
+        and a line saying why, when the speculator runs eagerly."""
+        backend, reason = graph_backend(vllm_config, graph_config, mode, device)
+        if backend is None:
+            info_once(vllm_config, EAGER, reason)
+            return None
+        return cls(
+            vllm_config,
+            device,
+            backend,
+            capture_sizes(vllm_config, graph_config),
+            num_layers,
+            vllm_config.model_config.get_hidden_size(),
+            dtype,
+            write,
+        )
+
     def needs_capture(self) -> bool:
         return self.write_graphs is None
 
     def capture(  # type: ignore[override]  # vLLM's takes a forward factory
         self,
+        kv_cache: torch.Tensor,
+        block_tables: BlockTables | None,
+        kv_cache_config: KVCacheConfig | None,
+        layer_name: str,
+        quiet: bool = False,
+    ) -> WriteGraphs:
+        """Allocate the static buffers and capture every graph: copy-in
+        graphs at our sizes, zero-copy ones over the target's persistent
+        buffers (:meth:`persistent_inputs`). Says what it captured, unless
+        ``quiet`` (the memory profiler's throwaway capture)."""
+        persistent, zero_copy_sizes = self.persistent_inputs(
+            kv_cache, block_tables, kv_cache_config, layer_name
+        )
+        loud = speaks(self.vllm_config) and not quiet
+        graphs = self.capture_graphs(persistent, zero_copy_sizes, progress=loud)
+        if loud:
+            logger.info(capture_line(graphs))
+            logger.debug(
+                "extract_hidden_states: captured sizes %s, zero-copy sizes %s",
+                graphs.captured_sizes,
+                graphs.zero_copy_sizes,
+            )
+        return graphs
+
+    def persistent_inputs(
+        self,
+        kv_cache: torch.Tensor,
+        block_tables: BlockTables | None,
+        kv_cache_config: KVCacheConfig | None,
+        layer_name: str,
+    ) -> tuple[GraphInputs | None, list[int]]:
+        """The target's persistent aux buffers and ``layer_name``'s slot row,
+        and the token counts of the target's planned FULL graphs: after a
+        FULL replay of the target, ``propose`` gets views of exactly those.
+
+        Present only once the runner has called ``set_attn`` (its
+        ``block_tables``, None before) and its graph manager has planned FULL
+        graphs with aux outputs (published by the plugin's capture hook).
+        """
+        target = target_buffers.get(self.device)
+        why = zero_copy_refusal(target, block_tables, kv_cache, self._shape[0])
+        if why is not None:
+            info_once(self.vllm_config, NO_ZERO_COPY, why)
+            return None, []
+        assert target is not None and block_tables is not None
+        assert kv_cache_config is not None
+        groups = kv_cache_config.kv_cache_groups
+        (group,) = [i for i, g in enumerate(groups) if layer_name in g.layer_names]
+        persistent = GraphInputs(
+            target.aux_hidden_states, block_tables.slot_mappings[group]
+        )
+        # vLLM sizes its buffers for its largest FULL graph, so all fit;
+        # should one not, that size takes the copy-in path.
+        sizes = [s for s in target.full_sizes if s <= persistent.rows]
+        if above := [s for s in target.full_sizes if s > persistent.rows]:
+            info_once(
+                self.vllm_config,
+                ABOVE_ROWS,
+                f"{persistent.rows:,}",
+                f"{len(above):,}",
+                _span(above),
+            )
+        return persistent, sizes
+
+    def capture_graphs(
+        self,
         persistent: GraphInputs | None,
         zero_copy_sizes: Sequence[int],
         progress: bool,
     ) -> WriteGraphs:
-        """Allocate the static buffers and capture every graph."""
+        """Allocate the static buffers and capture every graph, zero-copy ones
+        over ``persistent`` at ``zero_copy_sizes``."""
         if self.write_graphs is not None:
             raise RuntimeError(
                 "speculator graphs already captured; release_graphs() first"
@@ -116,6 +316,35 @@ class SpeculatorGraphs(CudaGraphManager):
         from vllm.distributed.parallel_state import graph_capture
 
         return graph_capture(self.device)
+
+
+def zero_copy_refusal(
+    target: target_buffers.TargetGraphs | None,
+    block_tables: BlockTables | None,
+    kv_cache: torch.Tensor,
+    num_layers: int,
+) -> str | None:
+    """Why there are no zero-copy graphs over ``target``'s buffers, or None."""
+    if target is None or not target.full_sizes:
+        return "the target has no FULL graphs with aux hidden states"
+    if block_tables is None:
+        return "the runner has not shared its block tables"
+    if len(target.aux_hidden_states) != num_layers or any(
+        a.dim() != 2 or a.shape[1] != kv_cache.shape[-1]
+        for a in target.aux_hidden_states
+    ):
+        return "the target's aux buffers do not match the hidden-state cache"
+    if other := sorted(
+        {str(a.dtype) for a in target.aux_hidden_states} - {str(kv_cache.dtype)}
+    ):
+        # propose converts such states first, as vLLM's speculator does
+        # (_as_model_dtype): what the write then reads is not these buffers.
+        named = ", ".join(other[:2]) + (", ..." if len(other) > 2 else "")
+        return (
+            f"the target's aux hidden states are {named}, the hidden-state "
+            f"cache {kv_cache.dtype}; they are converted and copied in"
+        )
+    return None
 
 
 @contextlib.contextmanager

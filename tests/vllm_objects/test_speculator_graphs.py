@@ -1,6 +1,8 @@
 """Graph mode on the emulated backend against eager, with the real vLLM config,
 the real ExtractHiddenStatesModel and a real KV cache."""
 
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("vllm")  # GPU check machines run the graph core without vLLM
@@ -12,8 +14,18 @@ from hypothesis import strategies as st
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.dp_utils import DPSyncState
 
+from cg_extract.config import ExtractGraphConfig
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
+from cg_extract.target_buffers import TargetGraphs
+from cg_extract.vllm_graphs import (
+    ABOVE_ROWS,
+    EAGER,
+    NO_ZERO_COPY,
+    capture_line,
+    graph_backend,
+    zero_copy_refusal,
+)
 from vllm_on_cpu.harness import (
     build_vllm_config,
     emulated_graph_keys,
@@ -222,35 +234,38 @@ def test_data_parallel_steps_use_this_ranks_count(model_dir, monkeypatch):
     assert counts(graphed)[1:] == (3, 0)
 
 
-@pytest.mark.parametrize(
-    "mode, keys, reason",
-    [
-        (CUDAGraphMode.NONE, GRAPH_KEYS, "cudagraph_mode is NONE"),
-        (
-            CUDAGraphMode.FULL,
-            {**GRAPH_KEYS, "cudagraph": False},
-            "'cudagraph' is false",
-        ),
-        # Never given: the line says how to switch graphs on, and does not
-        # claim a value the user never wrote.
-        (CUDAGraphMode.FULL, {}, 'add "cudagraph": true'),
-        (
-            CUDAGraphMode.FULL,
-            {**GRAPH_KEYS, "enforce_eager": True},
-            "sets enforce_eager",
-        ),
-        (
-            CUDAGraphMode.FULL,
-            {**GRAPH_KEYS, "cudagraph_backend": "auto"},
-            "backend 'auto' found no CUDA device",
-        ),
-    ],
-)
+NO_GRAPHS = [  # (mode, keys, the reason's words): every reason there is
+    (CUDAGraphMode.NONE, GRAPH_KEYS, "cudagraph_mode is NONE"),
+    (
+        CUDAGraphMode.FULL,
+        {**GRAPH_KEYS, "cudagraph": False},
+        "'cudagraph' is false",
+    ),
+    # Never given: the line says how to switch graphs on, and does not
+    # claim a value the user never wrote.
+    (CUDAGraphMode.FULL, {}, 'add "cudagraph": true'),
+    (
+        CUDAGraphMode.FULL,
+        {**GRAPH_KEYS, "enforce_eager": True},
+        "sets enforce_eager",
+    ),
+    (
+        CUDAGraphMode.FULL,
+        {**GRAPH_KEYS, "cudagraph_backend": "auto"},
+        "backend 'auto' found no CUDA device",
+    ),
+]
+
+
+@pytest.mark.parametrize("mode, keys, reason", NO_GRAPHS)
 def test_no_graphs_and_why(model_dir, mode, keys, reason):
     loaded = load_speculator(
         ExtractHiddenStatesSpeculator, build_vllm_config(model_dir, **keys)
     )
-    backend, why = loaded.speculator._graph_backend(mode)
+    spec = loaded.speculator
+    backend, why = graph_backend(
+        loaded.vllm_config, spec.graph_config, mode, spec.device
+    )
     assert backend is None and reason in why
     if "cudagraph" not in keys:
         assert "'cudagraph' is false" not in why
@@ -274,9 +289,69 @@ def test_graph_keys_without_cudagraph_are_not_called_a_choice(model_dir):
         "cg_extract": {"cudagraph_backend": "emulated"},
     }
     loaded = load_speculator(ExtractHiddenStatesSpeculator, cfg)
-    backend, why = loaded.speculator._graph_backend(CUDAGraphMode.FULL)
+    spec = loaded.speculator
+    backend, why = graph_backend(
+        loaded.vllm_config, spec.graph_config, CUDAGraphMode.FULL, spec.device
+    )
     assert backend is None and 'add "cudagraph": true' in why
     assert "'cudagraph' is false" not in why
+
+
+INFO_LIMIT = 200  # characters of an INFO message, after vLLM's prefix
+
+
+def test_our_info_lines_fit_their_limit(model_dir):
+    """Every INFO line the graphs' planning and capture log, with the longest
+    reason of each kind and numbers beyond any engine's, fits 200 characters
+    and starts with ``extract_hidden_states`` (how a reader finds ours)."""
+    eager = []
+    for mode, keys, words in NO_GRAPHS:
+        cfg = build_vllm_config(model_dir, **keys)
+        graph_config = ExtractGraphConfig.from_vllm_config(cfg)
+        device = torch.device("privateuseone:15")  # torch's longest device name
+        backend, why = graph_backend(cfg, graph_config, mode, device)
+        assert backend is None and words in why
+        eager.append(EAGER % why)
+
+    cache = torch.zeros(2, 3, 4, 8)  # [blocks, layers, block size, hidden]
+    fits = [torch.zeros(16, 8) for _ in range(3)]
+    long_dtypes = [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.bfloat16]
+    other = [torch.zeros(16, 8, dtype=dtype) for dtype in long_dtypes]
+    block_tables = SimpleNamespace(slot_mappings=torch.zeros(1, 16))
+    refusals = [
+        zero_copy_refusal(target, tables, cache, num_layers=3)
+        for target, tables in [
+            (None, block_tables),
+            (TargetGraphs(fits, (16,)), None),
+            (TargetGraphs(fits[:2], (16,)), block_tables),
+            (TargetGraphs(other, (16,)), block_tables),
+        ]
+    ]
+    assert len({*refusals} - {None}) == 4, refusals
+    assert zero_copy_refusal(TargetGraphs(fits, (16,)), block_tables, cache, 3) is None
+    no_zero_copy = [NO_ZERO_COPY % why for why in refusals]
+    above = ABOVE_ROWS % ("1,048,576", "4,096", "1,048,577-16,777,216")
+
+    sizes = list(range(1, 2**20 + 1))
+    captured = capture_line(
+        SimpleNamespace(
+            captured_sizes=sizes,
+            zero_copy_sizes=sizes[7:],
+            copy_in=SimpleNamespace(backend="emulated"),
+            capture_time_s=123456.789,
+            static_bytes=2**50,
+            graph_memory_bytes=2**50 + 2**19,
+        )
+    )
+    assert captured == (
+        "extract_hidden_states: captured 1,048,576 emulated graphs for "
+        "1-1,048,576 tokens (1,048,569 zero-copy for 8-1,048,576) in 123,456.79 s, "
+        "1,073,741,824.00 MiB static buffers, 1,073,741,824.50 MiB graphs"
+    )
+    for kind in (eager, no_zero_copy, [above], [captured]):
+        longest = max(kind, key=len)
+        assert len(longest) <= INFO_LIMIT, (len(longest), longest)
+        assert all(line.startswith("extract_hidden_states") for line in kind)
 
 
 @pytest.mark.parametrize(

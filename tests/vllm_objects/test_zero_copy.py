@@ -135,6 +135,29 @@ def test_no_zero_copy_without_published_buffers(model_dir):
     assert stats["zero_copy_sizes"] == [] and stats["captured_sizes"] == SIZES
 
 
+def test_no_zero_copy_before_the_runner_shares_its_block_tables(
+    model_dir, cg_extract_log
+):
+    """The target published its buffers, but ``set_attn`` has not run (no
+    slot row to read): copy-in graphs only, and a line says why."""
+    loaded = load_speculator(
+        ExtractHiddenStatesSpeculator,
+        build_vllm_config(model_dir, **GRAPH_KEYS),
+        num_blocks=16,
+    )
+    target = attach_target_graph_outputs(loaded, SIZES)  # published while alive
+    del loaded.speculator.block_tables, loaded.speculator.kv_cache_config
+    loaded.speculator.init_cudagraph_manager(CUDAGraphMode.FULL)
+    loaded.speculator.capture()
+    stats = loaded.speculator.cudagraph_stats()
+    assert stats["zero_copy_sizes"] == [] and stats["captured_sizes"] == SIZES
+    assert target_buffers.get("cpu").full_sizes == tuple(target.full_sizes)
+    assert (
+        "extract_hidden_states: no zero-copy graphs: the runner has not shared "
+        "its block tables." in cg_extract_log
+    ), "\n".join(cg_extract_log)
+
+
 def test_zero_copy_sizes_are_the_targets_full_sizes(model_dir):
     """The target's FULL sizes need not be ours: each gets a zero-copy graph,
     whatever our copy-in sizes; a FULL size replays with no copy, any other
@@ -170,6 +193,46 @@ def test_zero_copy_sizes_are_the_targets_full_sizes(model_dir):
         )
         assert same_cache(reference, ours), f"{n} tokens, in place {in_place}"
         assert ours.speculator.cudagraph_stats()[path] == before + 1, (n, in_place)
+
+
+def test_the_capture_line_counts_and_spans_both_graph_sets(model_dir, cg_extract_log):
+    """One INFO line: how many graphs, the sizes they span (not the lists),
+    seconds and MiB as vLLM writes its own."""
+    ours, _ = zero_copy_speculator(model_dir, full_sizes=[2, 6, 40, 100])
+    graphs = ours.speculator.graphs
+    (line,) = [m for m in cg_extract_log if "extract_hidden_states: captured" in m]
+    assert line == (
+        f"extract_hidden_states: captured {len(SIZES)} emulated graphs for "
+        f"1-64 tokens (4 zero-copy for 2-100) in {graphs.capture_time_s:.2f} s, "
+        f"{graphs.static_bytes / 2**20:.2f} MiB static buffers, "
+        f"{graphs.graph_memory_bytes / 2**20:.2f} MiB graphs"
+    )
+    # Static buffers: 64 rows of every aux hidden state, and 64 slots.
+    num_blocks, num_layers, block_size, hidden = ours.kv_cache.shape
+    assert graphs.static_bytes == 64 * num_layers * hidden * 4 + 64 * 8
+    assert len(line) <= 200
+
+
+def test_full_sizes_above_the_targets_buffer_rows_take_no_zero_copy_graph(
+    model_dir, cg_extract_log
+):
+    """Should a FULL size of the target exceed its buffers' rows (vLLM sizes
+    them for its largest), that size gets no zero-copy graph, and a line
+    says which sizes and why; the others keep theirs."""
+    loaded = load_speculator(
+        ExtractHiddenStatesSpeculator,
+        build_vllm_config(model_dir, **GRAPH_KEYS),
+        num_blocks=16,
+    )
+    target = attach_target_graph_outputs(loaded, [2, 6, 40, 48, 100, 120])
+    target.aux_hidden_states[:] = [a[:48] for a in target.aux_hidden_states]
+    loaded.speculator.init_cudagraph_manager(CUDAGraphMode.FULL)
+    loaded.speculator.capture()
+    assert loaded.speculator.cudagraph_stats()["zero_copy_sizes"] == [2, 6, 40, 48]
+    assert (
+        "extract_hidden_states: no zero-copy graphs above the target's 48 buffer "
+        "rows: 2 of its FULL sizes, 100-120." in cg_extract_log
+    )
 
 
 def test_target_buffers_of_another_dtype_fall_back_to_copy_in(
