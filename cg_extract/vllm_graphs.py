@@ -44,7 +44,6 @@ import torch
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
 from cg_extract import get_logger, speaks, target_buffers
@@ -204,7 +203,7 @@ class SpeculatorGraphs(CudaGraphManager):
     def capture(  # type: ignore[override]  # vLLM's takes a forward factory
         self,
         kv_cache: torch.Tensor,
-        block_tables: BlockTables | None,
+        block_tables: Any,
         kv_cache_config: KVCacheConfig | None,
         layer_name: str,
         quiet: bool = False,
@@ -230,7 +229,7 @@ class SpeculatorGraphs(CudaGraphManager):
     def persistent_inputs(
         self,
         kv_cache: torch.Tensor,
-        block_tables: BlockTables | None,
+        block_tables: Any,
         kv_cache_config: KVCacheConfig | None,
         layer_name: str,
     ) -> tuple[GraphInputs | None, list[int]]:
@@ -320,7 +319,7 @@ class SpeculatorGraphs(CudaGraphManager):
 
 def zero_copy_refusal(
     target: target_buffers.TargetGraphs | None,
-    block_tables: BlockTables | None,
+    block_tables: Any,
     kv_cache: torch.Tensor,
     num_layers: int,
 ) -> str | None:

@@ -22,6 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from cg_extract.cache_size import DOCS, SPLIT_DOCS
+
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 EXAMPLE = REPO / "examples" / "extract_hidden_states.py"
@@ -384,6 +386,14 @@ def broken_links(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: str(p.relative_to(REPO)))
 def test_the_links_resolve(path):
     assert broken_links(path) == []
+
+
+@pytest.mark.parametrize("link", [DOCS, SPLIT_DOCS])
+def test_the_docs_our_log_lines_name_resolve(link):
+    """The bill warning's and the refusal hint's section, from the root of a
+    checkout (where a user reads the log's path)."""
+    path, _, anchor = link.partition("#")
+    assert anchor in anchors((REPO / path).read_text())
 
 
 # A path under tests/ that a doc names, in a code span or not; a move of tests/
