@@ -38,13 +38,13 @@ def assert_reads_like_vllms(level: str, message: str) -> None:
 
 # The INFO line's figures, as the e2e tests and users read them.
 SUMMARY = re.compile(
-    r"^extract_hidden_states: hidden-state cache (?P<bill>[\d,]+\.\d\d (?:MiB|GiB)), "
+    r"extract_hidden_states: hidden-state cache (?P<bill>[\d,]+\.\d\d (?:MiB|GiB)), "
     r"(?P<ratio>[\d.]+)x its states(?:; KV cache size (?P<with>[\d,]+) tokens with "
     r"extraction, (?P<without>[\d,]+) without)?(?P<owner>.*)$"
 )
 # The DEBUG line's: every figure, in bytes.
 DETAIL = re.compile(
-    r"^extract_hidden_states: hidden-state cache billed (?P<bill>\d+) of "
+    r"extract_hidden_states: hidden-state cache billed (?P<bill>\d+) of "
     r"(?P<kv_cache>\d+) bytes: (?P<blocks>\d+) blocks of (?P<block_size>\d+) "
     r"tokens, each billed (?P<block_bill>\d+) \((?P<billed_as>[^)]*)\) for "
     r"(?P<states>\d+) of states \((?P<aux>\d+) x (?P<hidden>\d+) x "
