@@ -47,22 +47,22 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
 from cg_extract import get_logger, speaks, target_buffers
+from cg_extract.cache_size import MiB
 from cg_extract.capture_sizes import CaptureSizes
 from cg_extract.config import ExtractGraphConfig, given_keys
 from cg_extract.write_graphs import GraphInputs, Write, WriteGraphs
 
 logger = get_logger(__name__)
 
-# Every line of ours starts with the method's name: a reader (and a test)
-# finds ours in an engine's log by it. An INFO line's message is at most 200
-# characters, with the longest reason too.
+# Our lines open with the method's name (the plugin's with cg_extract): a
+# reader, and the tests, find ours in an engine's log by it. An INFO line is
+# at most 200 characters, with its longest reason.
 EAGER = "extract_hidden_states runs eagerly: %s."
 NO_ZERO_COPY = "extract_hidden_states: no zero-copy graphs: %s."
 ABOVE_ROWS = (
     "extract_hidden_states: no zero-copy graphs above the target's %s buffer "
     "rows: %s of its FULL sizes, %s."
 )
-MiB = 2**20
 
 
 def info_once(vllm_config: VllmConfig, msg: str, *args: Any) -> None:
