@@ -464,7 +464,7 @@ def test_the_targets_graphs_with_aux_of_another_dtype(all_results, family):
 
 
 # What extraction costs, as each engine of ours logs it
-# (ExtractHiddenStatesSpeculator.report_cache_size): every family's engine in
+# (cg_extract.kv_cache_report.report): every family's engine in
 # a way's log, one after another, each starting with vLLM's engine core
 # naming its model folder (the vLLM way's log also has the target alone's).
 ENGINE_START = re.compile(r"Initializing a V1 LLM engine .*? model='[^']*/(\w+)/model'")
@@ -652,11 +652,10 @@ def test_split_kv_cache_groups_raises_vllms_capacity(split_runs):
 
 
 def test_split_kv_cache_groups_reports_agree_with_vllm(split_runs):
-    """Our bill and capacity lines, one each per engine, agree with vLLM's
-    KV-cache config and capacity; with the key the hidden-state block is
-    billed its page, padding its only waste (no warning), without it two
-    pages (warned of); the capacity with no speculative config is the
-    key's business neither way."""
+    """Our INFO line, one per engine, agrees with vLLM's KV-cache config and
+    capacity; with the key the hidden-state block is billed its page (1.33x
+    its states, no warning), without it two pages (2.67x, warned of); the
+    capacity with no speculative config is the key's business neither way."""
     without = set()
     for name, run in split_runs.items():
         lines = run["lines"]
