@@ -425,6 +425,12 @@ def test_a_tests_path_that_is_gone_is_seen():
     assert missing_tests_paths(doc) == ["tests/test_gone.py", "tests/gone/"]
 
 
+def test_the_readme_reads_in_five_minutes():
+    """Status, what it is, install, switch it on, see it work, keys, limits,
+    links; the rest is in docs/."""
+    assert len(README.splitlines()) <= 150
+
+
 def test_the_readme_has_links():
     assert LINK.findall(README)
 
