@@ -47,13 +47,13 @@ def asked(vllm_config: Any) -> bool:
     return ExtractGraphConfig.from_vllm_config(vllm_config).split_kv_cache_groups
 
 
-def with_key(vllm_config: Any, value: bool) -> Any:
-    """A shallow copy of ``vllm_config`` with the key set to ``value``."""
+def with_key(vllm_config: Any) -> Any:
+    """A shallow copy of ``vllm_config`` with the key true."""
     other = copy.copy(vllm_config)
     additional = dict(vllm_config.additional_config or {})
     additional[ADDITIONAL_CONFIG_KEY] = {
         **additional.get(ADDITIONAL_CONFIG_KEY, {}),
-        KEY: value,
+        KEY: True,
     }
     other.additional_config = additional
     return other
@@ -241,7 +241,7 @@ def split_capacity(
     ValueError where that layout cannot serve one request."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
 
-    split_config = with_key(vllm_config, True)
+    split_config = with_key(vllm_config)
     # Its own model config, at the engine's max_model_len: no auto-fit.
     model = split_config.model_config = copy.copy(vllm_config.model_config)
     model.original_max_model_len = model.max_model_len

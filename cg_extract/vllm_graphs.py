@@ -212,11 +212,37 @@ class SpeculatorGraphs(CudaGraphManager):
         graphs at our sizes, zero-copy ones over the target's persistent
         buffers (:meth:`persistent_inputs`). Says what it captured, unless
         ``quiet`` (the memory profiler's throwaway capture)."""
+        if self.write_graphs is not None:
+            raise RuntimeError(
+                "speculator graphs already captured; release_graphs() first"
+            )
         persistent, zero_copy_sizes = self.persistent_inputs(
             kv_cache, block_tables, kv_cache_config, layer_name
         )
         loud = speaks(self.vllm_config) and not quiet
-        graphs = self.capture_graphs(persistent, zero_copy_sizes, progress=loud)
+        cuda = self.backend == "cuda"
+        if cuda:
+            from vllm.platforms import current_platform
+
+            # Looked up now, not at construction: while vLLM profiles, the
+            # global pool is its throwaway pool.
+            self.pool = current_platform.get_global_graph_pool()
+        with self._graph_capture() if cuda else contextlib.nullcontext():
+            graphs = WriteGraphs(
+                self.capture_sizes,
+                self.device,
+                self.backend,
+                *self._shape,
+                write=self.write,
+                pool=self.pool,
+                # A function of the config, not a method: the graphs keep
+                # it, and a bound method would tie them to this manager in
+                # a cycle that outlives vLLM dropping it.
+                graph_scope=functools.partial(vllm_graph_scope, self.vllm_config),
+            )
+            graphs.capture(persistent, zero_copy_sizes, progress=loud)
+        self.write_graphs = graphs
+        self._graphs_captured = True
         if loud:
             logger.info(capture_line(graphs))
             logger.debug(
@@ -265,43 +291,6 @@ class SpeculatorGraphs(CudaGraphManager):
                 _span(above),
             )
         return persistent, sizes
-
-    def capture_graphs(
-        self,
-        persistent: GraphInputs | None,
-        zero_copy_sizes: Sequence[int],
-        progress: bool,
-    ) -> WriteGraphs:
-        """Allocate the static buffers and capture every graph, zero-copy ones
-        over ``persistent`` at ``zero_copy_sizes``."""
-        if self.write_graphs is not None:
-            raise RuntimeError(
-                "speculator graphs already captured; release_graphs() first"
-            )
-        cuda = self.backend == "cuda"
-        if cuda:
-            from vllm.platforms import current_platform
-
-            # Looked up now, not at construction: while vLLM profiles, the
-            # global pool is its throwaway pool.
-            self.pool = current_platform.get_global_graph_pool()
-        with self._graph_capture() if cuda else contextlib.nullcontext():
-            graphs = WriteGraphs(
-                self.capture_sizes,
-                self.device,
-                self.backend,
-                *self._shape,
-                write=self.write,
-                pool=self.pool,
-                # A function of the config, not a method: the graphs keep
-                # it, and a bound method would tie them to this manager in
-                # a cycle that outlives vLLM dropping it.
-                graph_scope=functools.partial(vllm_graph_scope, self.vllm_config),
-            )
-            graphs.capture(persistent, zero_copy_sizes, progress=progress)
-        self.write_graphs = graphs
-        self._graphs_captured = True
-        return graphs
 
     def release_graphs(self) -> None:
         """Drop graphs, static buffers and views of the target's buffers; a

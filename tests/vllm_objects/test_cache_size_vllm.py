@@ -414,7 +414,7 @@ def said(log: list[str]) -> list[str]:
 
 def with_the_key(layout):
     return dataclasses.replace(
-        layout, vllm_config=kv_cache_groups.with_key(layout.vllm_config, True)
+        layout, vllm_config=kv_cache_groups.with_key(layout.vllm_config)
     )
 
 
