@@ -227,18 +227,14 @@ class SpeculatorGraphs(CudaGraphManager):
             # Looked up now, not at construction: while vLLM profiles, the
             # global pool is its throwaway pool.
             self.pool = current_platform.get_global_graph_pool()
+        # A function of the config, not a method: the graphs keep it, and a
+        # bound method would tie them to this manager in a cycle that
+        # outlives vLLM dropping it.
+        scope = functools.partial(vllm_graph_scope, self.vllm_config)
         with self._graph_capture() if cuda else contextlib.nullcontext():
+            sizes, device, backend = self.capture_sizes, self.device, self.backend
             graphs = WriteGraphs(
-                self.capture_sizes,
-                self.device,
-                self.backend,
-                *self._shape,
-                write=self.write,
-                pool=self.pool,
-                # A function of the config, not a method: the graphs keep
-                # it, and a bound method would tie them to this manager in
-                # a cycle that outlives vLLM dropping it.
-                graph_scope=functools.partial(vllm_graph_scope, self.vllm_config),
+                sizes, device, backend, *self._shape, self.write, self.pool, scope
             )
             graphs.capture(persistent, zero_copy_sizes, progress=loud)
         self.write_graphs = graphs
