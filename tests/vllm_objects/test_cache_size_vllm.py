@@ -204,7 +204,6 @@ def test_once_per_engine_and_only_on_dp_rank_0(loaded, cg_extract_log, monkeypat
     assert len(warnings(cg_extract_log)) == 1
     # DP rank 1 of a dense model: vLLM made it a world of its own, rank 0 of
     # DP 1, and only data_parallel_index says which rank it is.
-    loaded.speculator._cache_size_reported = False
     parallel = loaded.vllm_config.parallel_config
     monkeypatch.setattr(parallel, "data_parallel_index", 1)
     assert parallel.data_parallel_rank == 0 and parallel.data_parallel_size == 1
@@ -229,13 +228,10 @@ def test_reports_that_cannot_be_made_are_warnings_never_errors(loaded, cg_extrac
         others = kv_cache_config_of(cfg, attention(cfg, num_layers=2), NUM_BLOCKS)
     loaded.speculator.kv_cache_config = config
     report(loaded.speculator)
-    loaded.speculator._cache_size_reported = False
     loaded.speculator.kv_cache_config = others
     report(loaded.speculator)
-    loaded.speculator._cache_size_reported = False
     engine_core_config(loaded, attention(cfg, num_layers=4))
     report(loaded.speculator, lambda: {"model.layers.0": object()})
-    loaded.speculator._cache_size_reported = False
     loaded.speculator.kv_cache_config = None  # what no vLLM hands a runner
     report(loaded.speculator)
     small_page, no_layer, no_capacity, billed, no_config = cg_extract_log
