@@ -26,6 +26,7 @@ from cg_extract.vllm_graphs import (
     graph_backend,
     zero_copy_refusal,
 )
+from tests.torch_alone.test_cache_size import assert_reads_like_vllms
 from vllm_on_cpu.harness import (
     build_vllm_config,
     emulated_graph_keys,
@@ -297,9 +298,6 @@ def test_graph_keys_without_cudagraph_are_not_called_a_choice(model_dir):
     assert "'cudagraph' is false" not in why
 
 
-INFO_LIMIT = 200  # characters of an INFO message, after vLLM's prefix
-
-
 def test_our_info_lines_fit_their_limit(model_dir):
     """Every INFO line the graphs' planning and capture log, with the longest
     reason of each kind and numbers beyond any engine's, fits 200 characters
@@ -348,10 +346,9 @@ def test_our_info_lines_fit_their_limit(model_dir):
         "1-1,048,576 tokens (1,048,569 zero-copy for 8-1,048,576) in 123,456.79 s, "
         "1,073,741,824.00 MiB static buffers, 1,073,741,824.50 MiB graphs"
     )
-    for kind in (eager, no_zero_copy, [above], [captured]):
-        longest = max(kind, key=len)
-        assert len(longest) <= INFO_LIMIT, (len(longest), longest)
-        assert all(line.startswith("extract_hidden_states") for line in kind)
+    for line in [*eager, *no_zero_copy, above, captured]:
+        assert_reads_like_vllms("INFO", line)
+        assert line.startswith("extract_hidden_states"), line
 
 
 @pytest.mark.parametrize(
