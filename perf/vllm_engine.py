@@ -98,7 +98,10 @@ def prepare(device: str) -> None:
         # The target captures and replays its own graphs (test fixtures:
         # vllm_on_cpu.target_graphs), so that zero-copy runs here too.
         os.environ.update(target_env())
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    from vllm_on_cpu.engine import has_v1_runner
+
+    if has_v1_runner():  # vLLM 0.32, 0.33; 0.34 has MRv2 alone
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     # A forked engine process would inherit this one, where the plugin
     # replaced vLLM's class: upstream's engine would run ours.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

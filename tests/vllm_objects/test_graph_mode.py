@@ -22,6 +22,7 @@ layer's stand-in reporting what the CUDA backend it gets in vLLM 0.33 reports.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 
@@ -228,12 +229,17 @@ class Runner:
         compilation.set_splitting_ops_for_v1(
             all2all_backend=self.vllm_config.parallel_config.all2all_backend
         )
+        resolve = compilation.resolve_cudagraph_mode_and_sizes
+        # vLLM 0.32, 0.33 resolve for either runner; 0.34 has MRv2 alone.
+        mrv2 = {"use_v2_model_runner": True}
+        if "use_v2_model_runner" not in inspect.signature(resolve).parameters:
+            mrv2 = {}
         try:
-            return compilation.resolve_cudagraph_mode_and_sizes(
+            return resolve(
                 cg_support.min_cg_support,
                 cg_support.min_cg_attn_backend,
                 self.vllm_config.uniform_decode_query_len,
-                use_v2_model_runner=True,
+                **mrv2,
                 kv_cache_config=self.kv_cache_config,
                 max_num_reqs=self.vllm_config.scheduler_config.max_num_seqs,
                 piecewise_capture_available=True,

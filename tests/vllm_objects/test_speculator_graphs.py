@@ -218,8 +218,13 @@ def test_data_parallel_steps_use_this_ranks_count(model_dir, monkeypatch):
     replayed = record_replays(graphed, monkeypatch)
 
     def dp(*counts, eager):
+        # By name: vLLM 0.34 added max_query_len before eager.
+        fields = {"uniform_token_count": None, "max_query_len": None}
         return DPSyncState(
-            torch.tensor(counts, dtype=torch.int32), None, eager, max(counts)
+            num_tokens_across_dp=torch.tensor(counts, dtype=torch.int32),
+            eager=eager,
+            num_reqs=max(counts),
+            **{k: v for k, v in fields.items() if k in DPSyncState.__annotations__},
         )
 
     gen = torch.Generator().manual_seed(0)
