@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -78,9 +79,12 @@ def graph_backend(
     graph_config: ExtractGraphConfig,
     mode: CUDAGraphMode,
     device: torch.device,
+    rebuilds_metadata: bool = False,
 ) -> tuple[str | None, str]:
     """The backend to capture on, or None and why the speculator runs eagerly
-    (what to change, for the user who wants graphs)."""
+    (what to change, for the user who wants graphs). ``rebuilds_metadata``:
+    the speculator builds its step's metadata on the host every step (vLLM
+    0.34 under micro-batching)."""
     if not graph_config.cudagraph:
         if "cudagraph" in given_keys(vllm_config):
             return None, "'cudagraph' is false"
@@ -91,6 +95,12 @@ def graph_backend(
     assert vllm_config.speculative_config is not None
     if vllm_config.speculative_config.enforce_eager:
         return None, "the speculative config sets enforce_eager"
+    if rebuilds_metadata:
+        return None, (
+            "micro-batching (enable_dbo or ubatch_size > 1): it rebuilds each "
+            "step's attention metadata, as vLLM's own speculator does; graphs "
+            "need both off"
+        )
     # Any mode with graphs will do: copy-in graphs need nothing of the
     # target's, and zero-copy ones are captured only where the target
     # has FULL graphs (see SpeculatorGraphs.persistent_inputs).
@@ -110,16 +120,33 @@ def graph_backend(
 def capture_sizes(
     vllm_config: VllmConfig, graph_config: ExtractGraphConfig
 ) -> CaptureSizes:
-    """Our sizes when given, else the target's, padded exactly as the target
-    pads, so that a graph-padded target batch needs no further padding."""
+    """Our sizes when given, else the token counts of the target's graphs,
+    so that a graph-padded target batch needs no further padding. vLLM 0.34
+    (which has the split prefill / decode fields) derives them from those."""
     if graph_config.cudagraph_capture_sizes is not None:
         return CaptureSizes(graph_config.cudagraph_capture_sizes)
+    from vllm.platforms import current_platform
+
+    from cg_extract.capture_sizes import SplitSizes
+
     scheduler = vllm_config.scheduler_config
+    compilation = vllm_config.compilation_config
+    split = None
+    if hasattr(compilation, "decode_cudagraph_capture_request_sizes"):
+        split = SplitSizes(
+            compilation.prefill_cudagraph_capture_token_sizes,
+            compilation.max_prefill_cudagraph_capture_tokens,
+            compilation.decode_cudagraph_capture_request_sizes,
+            compilation.max_decode_cudagraph_capture_requests,
+            compilation.max_decode_cudagraph_capture_tokens,
+        )
     return CaptureSizes.from_vllm_inputs(
-        vllm_config.compilation_config.cudagraph_capture_sizes,
+        compilation.cudagraph_capture_sizes,
         scheduler.max_num_batched_tokens,
         scheduler.max_num_seqs,
         vllm_config.uniform_decode_query_len,
+        sm100=bool(current_platform.is_device_capability_family(100)),
+        split=split,
     )
 
 
@@ -158,10 +185,7 @@ class SpeculatorGraphs(CudaGraphManager):
         write: Write,
     ):
         super().__init__(
-            vllm_config,
-            device,
-            CUDAGraphMode.NONE,
-            decode_query_len=vllm_config.uniform_decode_query_len,
+            vllm_config, device, CUDAGraphMode.NONE, **decode_query_kwargs(vllm_config)
         )
         self.backend = backend
         self.capture_sizes = capture_sizes
@@ -179,10 +203,13 @@ class SpeculatorGraphs(CudaGraphManager):
         num_layers: int,
         dtype: torch.dtype,
         write: Write,
+        rebuilds_metadata: bool = False,
     ) -> SpeculatorGraphs | None:
         """The manager for the runner's ``mode``, allocating nothing; None,
         and a line saying why, when the speculator runs eagerly."""
-        backend, reason = graph_backend(vllm_config, graph_config, mode, device)
+        backend, reason = graph_backend(
+            vllm_config, graph_config, mode, device, rebuilds_metadata
+        )
         if backend is None:
             info_once(vllm_config, EAGER, reason)
             return None
@@ -300,6 +327,18 @@ class SpeculatorGraphs(CudaGraphManager):
         from vllm.distributed.parallel_state import graph_capture
 
         return graph_capture(self.device)
+
+
+def decode_query_kwargs(vllm_config: VllmConfig) -> dict[str, Any]:
+    """vLLM's graph managers' uniform-decode argument, for the runner's
+    decode query length: the length before vLLM 0.34, from 0.34 a map of
+    each length to the most requests a batch of it has."""
+    query_len = vllm_config.uniform_decode_query_len
+    if "decode_query_lens" in inspect.signature(CudaGraphManager).parameters:
+        return {
+            "decode_query_lens": {query_len: vllm_config.scheduler_config.max_num_seqs}
+        }
+    return {"decode_query_len": query_len}
 
 
 def zero_copy_refusal(
