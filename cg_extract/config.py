@@ -115,8 +115,6 @@ class ExtractGraphConfig:
                 f"max_num_batched_tokens={max_tokens}; use sizes <= {max_tokens} "
                 "or raise --max-num-batched-tokens"
             )
-        if method == METHOD:
-            _refuse_micro_batching(vllm_config.parallel_config)
         if self.cudagraph_backend == "cuda" and not cuda_available:
             raise ValueError(
                 f"{key('cudagraph_backend')} is 'cuda' but this machine has no "
@@ -152,21 +150,6 @@ def _graph_keys_without_graphs(sources: Mapping[str, str]) -> None:
         ", ".join(given),
         sources["cudagraph"],
     )
-
-
-def _refuse_micro_batching(parallel_config: Any) -> None:
-    """MRv2 micro-batches (DBO) only with data parallelism, and then hands
-    ``propose`` no slot mappings: vLLM's own class fails there too, with a
-    TypeError at the first micro-batched step."""
-    if parallel_config.use_ubatching and parallel_config.data_parallel_size > 1:
-        raise ValueError(
-            f"method '{METHOD}' cannot run with micro-batching "
-            f"(enable_dbo={parallel_config.enable_dbo}, "
-            f"ubatch_size={parallel_config.ubatch_size}, "
-            f"data_parallel_size={parallel_config.data_parallel_size}): Model "
-            "Runner V2 passes a micro-batched step no slot mappings to write "
-            "hidden states to; turn off enable_dbo and set ubatch_size to 1"
-        )
 
 
 def given_keys(vllm_config: Any) -> set[str]:

@@ -48,10 +48,12 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.distributed.kv_transfer import has_kv_transfer_group
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.model_loader.utils import get_draft_load_config
 from vllm.model_executor.models.extract_hidden_states import dummy_attention
 from vllm.v1.worker.gpu.dp_utils import DPSyncState
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+from vllm.v1.worker.gpu.spec_decode.utils import get_pp_safe_draft_load_config
 
 from cg_extract import get_logger, kv_cache_report, speaks
 from cg_extract.cache_backend import report_graph_support
@@ -77,7 +79,8 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             raise ValueError(
                 "extract_hidden_states requires num_speculative_tokens to be 1"
             )
-        if self.speculative_config.disable_padded_drafter_batch:
+        # vLLM 0.34 removed the option (it pads every drafter batch).
+        if getattr(self.speculative_config, "disable_padded_drafter_batch", False):
             raise ValueError(
                 "disable_padded_drafter_batch is not supported with "
                 "extract_hidden_states method"
@@ -107,6 +110,14 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         self._profiling = False  # see kv_cache_initialized
 
     @property
+    def _rebuilds_metadata(self) -> bool:
+        """Under micro-batching (``use_ubatching``) vLLM 0.34's speculators
+        do not reuse the target's metadata (a micro-batched step hands
+        ``propose`` none) and rebuild it and the slots each step from the
+        block tables; ours does the same, and captures no graph."""
+        return not getattr(self, "can_reuse_target_attn_metadata", True)
+
+    @property
     def graphs(self) -> WriteGraphs | None:
         """The captured graphs, None before capture and once vLLM released
         or dropped them."""
@@ -117,9 +128,16 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         self, target_model: nn.Module, target_attn_layer_names: set[str]
     ) -> nn.Module:
         del target_model, target_attn_layer_names
+        # As vLLM 0.34's speculator loads it: the draft lives on the last
+        # pipeline stage alone, so its loader must not use collectives.
+        load_config = get_pp_safe_draft_load_config(
+            get_draft_load_config(self.vllm_config)
+        )
         with set_model_tag("extract_hidden_states"):
             return get_model(
-                vllm_config=self.vllm_config, model_config=self.draft_model_config
+                vllm_config=self.vllm_config,
+                model_config=self.draft_model_config,
+                load_config=load_config,
             )
 
     def load_model(self, target_model: nn.Module) -> None:
@@ -196,12 +214,15 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
         self,
         is_profiling: bool,
         kv_cache_specs: Callable[[], dict[str, Any]] | None = None,
+        extensible: bool = False,
     ) -> None:
         """The runner initialised a KV cache: the memory profiler's
         (``is_profiling``), against which vLLM captures graphs, measures and
         drops them, or the real one, whose cost (given ``kv_cache_specs``,
         the runner's, also the capacity without extraction) is logged once
-        per engine from the rank that speaks. The plugin calls this."""
+        per engine from the rank that speaks; ``extensible`` (vLLM 0.34's
+        extensible KV cache): its blocks are reserved, not yet committed,
+        and the line says so. The plugin calls this."""
         self._profiling = is_profiling
         if is_profiling or self._cache_size_reported or not speaks(self.vllm_config):
             return
@@ -213,6 +234,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             self.dtype,
             self.kv_cache_config,
             kv_cache_specs,
+            extensible=extensible,
         )
 
     # ------------------------------------------------------------------
@@ -237,6 +259,7 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             # The captured step is the write alone: the connector hooks are
             # host work a replay would skip, so ``propose`` runs them after it.
             write=self._write,
+            rebuilds_metadata=self._rebuilds_metadata,
         )
 
     def capture(self) -> None:
@@ -304,6 +327,10 @@ class ExtractHiddenStatesSpeculator(DraftModelSpeculator):
             )
         if any(hidden.dtype is not self.dtype for hidden in aux_hidden_states):
             aux_hidden_states = self._as_model_dtype(aux_hidden_states)
+        if self._rebuilds_metadata:
+            attn_metadata, slot_mappings = self._build_drafter_attn_metadata(
+                input_batch, attn_metadata, slot_mappings
+            )
         num_tokens = aux_hidden_states[0].shape[0]
         slots = slot_mappings[self.layer_name][:num_tokens]
         is_padding = input_batch.is_padding[:num_tokens]

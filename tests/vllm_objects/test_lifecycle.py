@@ -35,10 +35,9 @@ from vllm.v1.worker.gpu.cudagraph_utils import (
 from vllm.v1.worker.gpu.input_batch import InputBuffers
 
 from cg_extract import plugin, target_buffers
-from cg_extract.config import ExtractGraphConfig
 from cg_extract.plugin import upstream_speculator_class
 from cg_extract.speculator import ExtractHiddenStatesSpeculator
-from cg_extract.vllm_graphs import SpeculatorGraphs
+from cg_extract.vllm_graphs import SpeculatorGraphs, decode_query_kwargs
 from vllm_on_cpu.harness import (
     TargetGraphOutputs,
     _SlotMappingsOnly,
@@ -128,6 +127,15 @@ def target_compilation(cfg, mode, max_num_seqs=None):
     cc.max_cudagraph_capture_size = max(SIZES)
     if max_num_seqs is not None:
         cfg.scheduler_config.max_num_seqs = max_num_seqs
+    if hasattr(cfg, "_split_cudagraph_capture_sizes"):
+        # vLLM 0.34's graph managers plan from the split sizes, which vLLM
+        # derives from the list as it does for a GPU given the list.
+        query_lens = cfg.get_decode_cudagraph_query_lens(cfg.uniform_decode_query_len)
+        cfg._split_cudagraph_capture_sizes(True, query_lens)
+
+
+class StandInWorker(SimpleNamespace):
+    """The worker an elastic EP executor holds (by weak reference)."""
 
 
 class StandInRunner:
@@ -191,7 +199,7 @@ class StandInRunner:
             self.vllm_config,
             self.device,
             self.mode,
-            decode_query_len=self.vllm_config.uniform_decode_query_len,
+            **decode_query_kwargs(self.vllm_config),
         )
         self.speculator.set_attn(
             self.model_state,
@@ -352,14 +360,12 @@ def test_profiling_teardown_real_init_steps_elastic_release_recapture_steps(
         assert stats["zero_copy_sizes"] == TARGET_FULL_SIZES
         run_steps(reference, ours, runner.target_outputs(), 1000, seed=1)
 
-        # 3. Elastic EP scaling: vLLM's _release_cuda_graphs on a stand-in
-        # for its executor, then warm_and_capture's capture_model.
+        # 3. Elastic EP scaling: vLLM's _release_cuda_graphs on its executor
+        # over a stand-in worker, then warm_and_capture's capture_model.
         shell = spec.cudagraph_manager
         released = runner.captures[-1]
-        executor = SimpleNamespace(
-            worker=SimpleNamespace(model_runner=runner, vllm_config=cfg)
-        )
-        ElasticEPScalingExecutor._release_cuda_graphs(executor)
+        worker = StandInWorker(model_runner=runner, vllm_config=cfg)
+        ElasticEPScalingExecutor(worker)._release_cuda_graphs()
         gc.collect()
         assert spec.cudagraph_manager is shell and spec.graphs is None
         assert released["WriteGraphs"]() is None
@@ -561,7 +567,9 @@ with set_current_vllm_config(graphs.vllm_config):
     graphs.speculator.capture()
 """
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    # Ahead of the session's path (vLLM 0.34's: the Triton stand-in's).
+    path = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     env.pop("VLLM_LOGGING_LEVEL", None)
     env.pop("VLLM_CONFIGURE_LOGGING", None)
     out = subprocess.run(
@@ -586,31 +594,224 @@ with set_current_vllm_config(graphs.vllm_config):
     ), printed
 
 
+# Micro-batching (DBO, ``ubatch_size`` > 1), per release, under Model Runner
+# V2. vLLM 0.32 and 0.33 refuse it with speculative decoding when the config
+# is built (without VLLM_USE_V2_MODEL_RUNNER=1 they run the V1 runner, which
+# never builds our speculator); the plugin adds no check of its own. vLLM
+# 0.34 allows it, and every ``DraftModelSpeculator``
+# under ``use_ubatching`` rebuilds the step's metadata from the runner's block
+# tables; ours does the same, eagerly, and says why.
+A2A = {"all2all_backend": "deepep_low_latency"}  # vLLM's DBO check wants one
+DP2 = {"data_parallel_size": 2}
+VLLMS_SPEC = "vLLM: dual batch overlap with speculative decoding"
+VLLMS_A2A = "vLLM: Microbatching currently only supports the deepep_low_latency"
+VLLMS_HYBRID = "vLLM: dual batch overlap with hybrid models"
+
+
+@pytest.mark.mrv2_process
 @pytest.mark.parametrize(
-    "dbo, ubatch_size, dp, refused",
-    [(True, 0, 2, True), (False, 2, 2, True), (True, 0, 1, False)],
+    "model, engine_args, as_on_a_gpu, before_034, on_034",
+    [
+        # The CPU platform turns enable_dbo off when it builds the config.
+        ("llama", {"enable_dbo": True, **DP2, **A2A}, {}, "whole", "whole"),
+        # A GPU keeps it: set after the build, as a worker gets it there.
+        # 0.32 and 0.33 refuse it at a GPU's build (as VLLMS_SPEC, below).
+        ("llama", {**DP2, **A2A}, {"enable_dbo": True}, "unreachable", "rebuilds"),
+        ("llama", A2A, {"enable_dbo": True}, "whole", "rebuilds"),
+        ("llama", {"ubatch_size": 2, **DP2}, {}, VLLMS_SPEC, VLLMS_A2A),
+        ("llama", {"ubatch_size": 2, **A2A}, {}, VLLMS_SPEC, "rebuilds"),
+        ("llama", {"ubatch_size": 2, **DP2, **A2A}, {}, VLLMS_SPEC, "rebuilds"),
+        ("llama", {"ubatch_size": 1, **DP2, **A2A}, {}, "whole", "whole"),
+        ("qwen3_next", {"ubatch_size": 2, **A2A}, {}, VLLMS_SPEC, VLLMS_HYBRID),
+    ],
+    ids=[
+        "dbo-dp2-cpu",
+        "dbo-dp2",
+        "dbo-dp1",
+        "ubatch2-default-all2all",
+        "ubatch2-dp1",
+        "ubatch2-dp2",
+        "ubatch1-dp2",
+        "ubatch2-hybrid",
+    ],
 )
-def test_micro_batching_is_refused_at_config_time(
-    model_dir, dbo, ubatch_size, dp, refused
+def test_micro_batching_per_release(
+    model_dir,
+    tmp_path,
+    monkeypatch,
+    model,
+    engine_args,
+    as_on_a_gpu,
+    before_034,
+    on_034,
 ):
-    cfg = build_vllm_config(model_dir)
-    # This process's world of one, set up before DP is set below (vLLM would
+    """Which configs vLLM refuses (its message unchanged), which run whole
+    batches, and which reach the rebuild path (0.34): graphs off, the
+    reason logged."""
+    from cg_extract import vllm_graphs
+    from tests.model_families import family_engine_args, write_family_dir
+    from tests.torch_alone.test_cache_size import assert_reads_like_vllms
+    from vllm_on_cpu.harness import vllm_release
+
+    expected = on_034 if vllm_release() == "0.34.0" else before_034
+    if expected == "unreachable":
+        pytest.skip("vLLM refuses it when a GPU builds the config")
+    # This process's world of one, set up before a config with DP (vLLM would
     # otherwise wait for the other rank), whether or not a test ran before.
-    with set_current_vllm_config(cfg):
+    with set_current_vllm_config(build_vllm_config(model_dir)):
         single_process_parallel_state()
-    # The CPU platform turns DBO off when the config is built; a GPU keeps it.
-    pc = cfg.parallel_config
-    pc.enable_dbo, pc.data_parallel_size = dbo, dp
-    if ubatch_size:
-        pc.ubatch_size = ubatch_size
-    check = ExtractGraphConfig.from_vllm_config(cfg).validate_for
-    if not refused:  # no micro-batching without DP in MRv2
-        check(cfg, cuda_available=False)
+    if model != "llama":
+        model_dir = write_family_dir(tmp_path, model)
+        engine_args = {**family_engine_args(model), **engine_args}
+    if expected.startswith("vLLM: "):
+        with pytest.raises(ValueError) as refused:
+            build_vllm_config(model_dir, engine_args=engine_args, **GRAPH_KEYS)
+        assert expected.removeprefix("vLLM: ") in str(refused.value)
+        assert "cg_extract" not in str(refused.value)
         return
-    with pytest.raises(ValueError, match="cannot run with micro-batching.*enable_dbo"):
-        check(cfg, cuda_available=False)
-    with pytest.raises(ValueError, match="no slot mappings"):
-        load_speculator(ExtractHiddenStatesSpeculator, cfg)  # a worker re-checks
+    cfg = build_vllm_config(model_dir, engine_args=engine_args, **GRAPH_KEYS)
+    assert getattr(cfg, "use_v2_model_runner", True)  # 0.34 has MRv2 alone
+    for name, value in as_on_a_gpu.items():
+        setattr(cfg.parallel_config, name, value)
+    logged = []
+    monkeypatch.setattr(
+        vllm_graphs, "info_once", lambda _, msg, *a: logged.append(msg % a)
+    )
+    loaded = load_speculator(ExtractHiddenStatesSpeculator, cfg)
+    spec = loaded.speculator
+    rebuilds = expected == "rebuilds"
+    assert spec._rebuilds_metadata is rebuilds
+    with set_current_vllm_config(loaded.vllm_config):
+        spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert (spec.cudagraph_manager is None) is rebuilds
+    eager = [line for line in logged if "micro-batching" in line]
+    assert len(eager) == rebuilds, logged
+    for line in eager:
+        assert line.startswith("extract_hidden_states runs eagerly: micro-batching (")
+        assert_reads_like_vllms("INFO", line)
+
+
+def test_a_micro_batched_step_writes_vllms_bytes(model_dir, monkeypatch):
+    """vLLM 0.34, micro-batching with data parallelism: the runner hands
+    ``propose`` no metadata and no slot mappings (``execute_model`` under
+    ``ubatch_state``), and our speculator rebuilds them from the runner's
+    block tables as vLLM's does (``_build_drafter_attn_metadata``), writing
+    its bytes, eagerly with graphs asked for."""
+    import numpy as np
+    from vllm.v1.worker.cpu import buffer_utils as cpu_buffers
+    from vllm.v1.worker.gpu import buffer_utils
+    from vllm.v1.worker.gpu.block_table import BlockTables
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.model_states import init_model_state
+
+    from vllm_on_cpu.harness import vllm_release
+
+    if vllm_release() != "0.34.0":
+        pytest.skip("0.32, 0.33 refuse micro-batching with extraction (test above)")
+    # What vLLM's CPU worker sets at import (vllm/v1/worker/cpu/shm.py).
+    monkeypatch.setattr(buffer_utils, "UvaBuffer", cpu_buffers.UvaBuffer)
+    with set_current_vllm_config(build_vllm_config(model_dir)):
+        single_process_parallel_state()
+    cfg = build_vllm_config(
+        model_dir, engine_args={"ubatch_size": 2, **DP2, **A2A}, **GRAPH_KEYS
+    )
+    num_blocks, query_lens, context_lens = 32, [5, 1, 7, 3], [20, 3, 0, 40]
+    gen = torch.Generator().manual_seed(0)
+    first_blocks = 1 + torch.randperm(num_blocks - 1, generator=gen)
+    # Each request's blocks, as the scheduler gave them (none is block 0).
+    blocks, start = [], 0
+    for length in np.add(query_lens, context_lens):
+        count = -(-int(length) // cfg.cache_config.block_size)
+        blocks.append(first_blocks[start : start + count].tolist())
+        start += count
+    num_tokens = sum(query_lens)
+    aux = [torch.randn(num_tokens, 256, generator=gen) for _ in range(3)]
+    last_sampled = torch.randint(0, 1000, (128, 1), generator=gen)
+
+    def micro_batched_step(cls):
+        """Load ``cls``, ``set_attn`` as the runner's ``initialize_kv_cache``
+        does, the step's block tables and slots as its ``prepare_attn``
+        computes them, then ``propose`` as under ``ubatch_state``."""
+        loaded = load_speculator(cls, cfg, num_blocks=num_blocks)
+        spec, vllm_config = loaded.speculator, loaded.vllm_config
+        layer = vllm_config.compilation_config.static_forward_context[loaded.layer_name]
+        specs = {loaded.layer_name: layer.get_kv_cache_spec(vllm_config)}
+        block_size = vllm_config.cache_config.block_size
+        max_blocks = -(-vllm_config.model_config.max_model_len // block_size)
+        with set_current_vllm_config(vllm_config):
+            block_tables = BlockTables(
+                [block_size],
+                spec.max_num_reqs,
+                spec.max_num_tokens,
+                [max_blocks],
+                spec.device,
+            )
+            buffers = InputBuffers(spec.max_num_reqs, spec.max_num_tokens, spec.device)
+            spec.set_attn(
+                init_model_state(vllm_config, torch.nn.Module(), None, spec.device),
+                kv_cache_config_of(vllm_config, specs, num_blocks),
+                block_tables,
+                buffers,
+                [],
+            )
+            spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+            spec.capture()
+        batch = InputBatch.make_dummy(
+            len(query_lens), num_tokens, buffers, is_padding=False
+        )
+        starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        batch.query_start_loc_np[:] = starts
+        batch.query_start_loc.copy_(torch.from_numpy(starts))
+        batch.positions.copy_(
+            torch.cat(
+                [
+                    torch.arange(c, c + q)
+                    for c, q in zip(context_lens, query_lens, strict=True)
+                ]
+            )
+        )
+        for req, ids in enumerate(blocks):
+            block_tables.append_block_ids(req, (ids,), overwrite=True)
+        block_tables.apply_staged_writes()
+        block_tables.gather_block_tables(
+            batch.idx_mapping, batch.num_reqs_after_padding
+        )
+        slots = block_tables.compute_slot_mappings(
+            batch.idx_mapping, batch.query_start_loc, batch.positions, num_tokens
+        )[0].clone()
+        draft = spec.propose(
+            input_batch=batch,
+            attn_metadata=None,
+            slot_mappings=None,
+            last_hidden_states=torch.empty(0),
+            aux_hidden_states=aux,
+            num_sampled=torch.ones(len(query_lens), dtype=torch.int32),
+            num_rejected=torch.zeros(len(query_lens), dtype=torch.int32),
+            last_sampled=last_sampled,
+            next_prefill_tokens=torch.zeros(1, spec.max_num_reqs),
+            temperature=torch.zeros(spec.max_num_reqs),
+            seeds=torch.zeros(spec.max_num_reqs, dtype=torch.int64),
+        )
+        return loaded, draft, slots
+
+    theirs, their_draft, slots = micro_batched_step(upstream_speculator_class())
+    ours, our_draft, our_slots = micro_batched_step(ExtractHiddenStatesSpeculator)
+    assert torch.equal(our_draft, their_draft) and torch.equal(our_slots, slots)
+    assert torch.equal(ours.kv_cache, theirs.kv_cache)
+    # Each token's states sit in its own request's block, at its position.
+    block_size = theirs.block_size
+    wanted = torch.tensor(
+        [
+            ids[pos // block_size] * block_size + pos % block_size
+            for ids, c, q in zip(blocks, context_lens, query_lens, strict=True)
+            for pos in range(c, c + q)
+        ]
+    )
+    assert torch.equal(slots, wanted)
+    stored = ours.kv_cache[wanted // block_size, :, wanted % block_size]
+    assert torch.equal(stored, torch.stack(aux, dim=1))
+    assert ours.speculator.cudagraph_manager is None
+    assert ours.speculator.counts == {"zero_copy": 0, "copy_in": 0, "eager": 1}
 
 
 @pytest.mark.cuda
