@@ -38,12 +38,15 @@ def report(
     dtype: torch.dtype,
     kv_cache_config: KVCacheConfig,
     kv_cache_specs: Callable[[], dict[str, Any]] | None = None,
+    extensible: bool = False,
 ) -> None:
     """Log what extraction costs: the bill and, given ``kv_cache_specs``
     (the runner's, what the engine core grouped), the target's capacity with
     and without extraction at INFO, a WARNING when the bill is more than
-    twice the states, every figure at DEBUG. Never raises: a report must not
-    stop an engine that vLLM could start."""
+    twice the states, every figure at DEBUG. ``extensible``: the KV cache is
+    vLLM 0.34's extensible one, whose ``num_blocks`` is still the capacity
+    reserved (:func:`summary_line`). Never raises: a report must not stop an
+    engine that vLLM could start."""
     try:
         specs = kv_cache_specs() if kv_cache_specs is not None else None
         size = hidden_state_cache_size(
@@ -58,10 +61,32 @@ def report(
             capacity = kv_capacity(vllm_config, layer_name, kv_cache_config, specs)
     except Exception as why:  # vLLM's own functions, on specs it never saw
         logger.warning("extract_hidden_states: KV capacity not reported: %s", _why(why))
-    logger.info(summary(size, capacity))
+    logger.info(summary_line(size, capacity, extensible))
     if size.bill_more_than_doubles:
         logger.warning(size.bill_warning())
     logger.debug(breakdown(size, capacity))
+
+
+def summary_line(
+    size: HiddenStateCacheSize, capacity: KVCapacity | None, extensible: bool = False
+) -> str:
+    """The INFO line (:func:`cg_extract.cache_size.summary`). With vLLM 0.34's
+    extensible KV cache (CUDA only) the runner's KV cache is initialised with
+    ``num_blocks`` the capacity whose addresses are reserved; vLLM commits
+    what fits only after warm-up and graph capture (``extend_kv_cache``,
+    then its own "Extended KV cache to N blocks" line), so every figure here
+    is the reservation's, and the line says so: "KV cache reserved:" where
+    it says "KV cache size" otherwise (five characters more)."""
+    if not extensible:
+        return summary(size, capacity)
+    owner = size.parallelism.owner()
+    line = summary(size, None).removesuffix(owner)
+    if capacity is None:
+        return f"{line}; KV cache reserved, committed after warm-up{owner}"
+    return (
+        f"{line}; KV cache reserved: {capacity.tokens_with:,} tokens with "
+        f"extraction, {capacity.tokens_without:,} without{owner}"
+    )
 
 
 def hidden_state_cache_size(

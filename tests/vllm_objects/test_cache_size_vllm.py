@@ -196,6 +196,45 @@ def test_the_line_says_whose_kv_cache_from_the_parallel_config(
     assert line.endswith(f"x its states{says}")
 
 
+@pytest.mark.parametrize("capacity", [True, False], ids=["capacity", "bill alone"])
+def test_an_extensible_kv_cache_is_reported_as_reserved(
+    loaded, cg_extract_log, monkeypatch, capacity
+):
+    """vLLM 0.34's extensible KV cache (CUDA only: a CPU runner never builds
+    one, so the speculator is told as the plugin tells it) initialises the
+    runner's KV cache with ``num_blocks`` the capacity reserved: the line
+    says "reserved" where it says "size", its figures unchanged; without it
+    the line is as before. Whose KV cache still ends it."""
+    cfg = loaded.vllm_config
+    monkeypatch.setattr(cfg.parallel_config, "tensor_parallel_size", 2)
+    layer = cfg.compilation_config.static_forward_context[loaded.layer_name]
+    with set_current_vllm_config(cfg):
+        specs = {
+            **attention(cfg, num_layers=4),
+            loaded.layer_name: layer.get_kv_cache_spec(cfg),
+        }
+        # Room for a max_model_len request, so that there is a capacity.
+        config = kv_cache_config_of(cfg, specs, 400)
+    loaded.speculator.kv_cache_config = config
+    lines = []
+    for extensible in (False, True):
+        loaded.speculator._cache_size_reported = False
+        loaded.speculator.kv_cache_initialized(
+            False, (lambda: specs) if capacity else None, extensible=extensible
+        )
+        (line,) = [m for m in cg_extract_log if m.startswith(INFO_LINE)][len(lines) :]
+        lines.append(line)
+    plain, reserved = lines
+    owner = " (each of 2 TP ranks)"
+    if capacity:
+        assert "; KV cache size " in plain and plain.endswith(owner)
+        assert reserved == plain.replace("; KV cache size ", "; KV cache reserved: ")
+    else:
+        bill = plain.removesuffix(owner)
+        assert reserved == f"{bill}; KV cache reserved, committed after warm-up{owner}"
+    assert len(reserved) <= LIMITS["INFO"]
+
+
 def test_once_per_engine_and_only_on_dp_rank_0(loaded, cg_extract_log, monkeypatch):
     engine_core_config(loaded, mamba(block_size=67))
     report(loaded.speculator)

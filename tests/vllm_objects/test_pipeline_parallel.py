@@ -16,13 +16,14 @@ pytest.importorskip("vllm")  # GPU check machines run the graph core without vLL
 
 import contextlib
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.model_executor.models.registry import _ModelRegistry
+from vllm.model_executor.models.registry import ModelRegistry
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
@@ -30,7 +31,7 @@ from cg_extract import pipeline_parallel
 from cg_extract.config import METHOD
 from tests.vllm_objects import recording_connectors
 from vllm_on_cpu.engine import PLUGIN, SITE, cpu_env
-from vllm_on_cpu.harness import build_vllm_config, emulated_graph_keys
+from vllm_on_cpu.harness import build_vllm_config, emulated_graph_keys, vllm_release
 
 PP = {"pipeline_parallel_size": 2}
 MRV2 = pytest.mark.mrv2_process
@@ -52,19 +53,23 @@ def transfer(connector: str, module: str | None = None, **extra) -> dict:
 )
 def test_extraction_across_stages_builds_on_model_runner_v2(model_dir, keys):
     cfg = build_vllm_config(model_dir, engine_args=PP, **keys)
-    assert cfg.use_v2_model_runner
+    assert getattr(cfg, "use_v2_model_runner", True)  # 0.34: MRv2 alone
     assert cfg.parallel_config.pipeline_parallel_size == 2
-    assert cfg.speculative_config.draft_model_config.architectures == [
-        pipeline_parallel.DRAFT_ARCHITECTURE
-    ]
+    draft = cfg.speculative_config.draft_model_config
+    assert draft.architectures == ["ExtractHiddenStatesModel"]
+    assert draft._model_info.supports_pp
 
 
 @MRV2
-def test_without_the_drafts_answer_vllm_refuses(model_dir, monkeypatch):
+def test_with_vllms_own_draft_model_vllm_refuses(model_dir, monkeypatch):
     """What users met: vLLM checks the draft's architecture for SupportsPP.
-    The plugin answers for that architecture alone."""
-    vllms = _ModelRegistry.is_pp_supported_model.__wrapped__
-    monkeypatch.setattr(_ModelRegistry, "is_pp_supported_model", vllms)
+    The draft model the plugin registers declares it."""
+    from vllm.model_executor.models.registry import _LazyRegisteredModel
+
+    vllms = _LazyRegisteredModel(
+        "vllm.model_executor.models.extract_hidden_states", "ExtractHiddenStatesModel"
+    )
+    monkeypatch.setitem(ModelRegistry.models, "ExtractHiddenStatesModel", vllms)
     with pytest.raises(NotImplementedError, match="Pipeline parallelism is not"):
         build_vllm_config(model_dir, engine_args=PP)
 
@@ -75,7 +80,13 @@ def test_without_the_drafts_answer_vllm_refuses(model_dir, monkeypatch):
 V1_MESSAGE = f"pipeline_parallel_size=2 with method '{METHOD}' needs Model Runner V2"
 
 
+ONLY_WITH_V1 = pytest.mark.skipif(
+    vllm_release() == "0.34.0", reason="vLLM 0.34 has Model Runner V2 alone"
+)
+
+
 @MRV2
+@ONLY_WITH_V1
 def test_the_v1_runner_chosen_by_the_user_is_refused(model_dir, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     with pytest.raises(ValueError, match=V1_MESSAGE):
@@ -97,6 +108,7 @@ for extra in [{{}}, {{"async_scheduling": True}}]:
 """
 
 
+@ONLY_WITH_V1
 def test_vllm_cpus_default_v1_engine_refuses_before_any_engine_process(
     model_dir, tmp_path
 ):
@@ -329,6 +341,115 @@ def test_a_stage_without_the_layer_calls_no_method_of_the_connector(model_dir):
     )
 
 
+class FakeExtensibleKVCache:
+    """A FAKE of vLLM 0.34's ``ExtensibleKVCache`` (CUDA virtual memory
+    cannot exist on a CPU): what ``extend_kv_cache`` calls of it, doing what
+    the real one does over plain tensors. Commits are a count; the committed
+    placements are the config's, resized as the real one resizes them; the
+    committed views are new views of the runner's tensors (the real ones are
+    over the same addresses)."""
+
+    def __init__(self, capacity_blocks: int, views: dict[str, torch.Tensor]):
+        self.capacity_blocks = capacity_blocks
+        self.num_committed_blocks = 1  # the null block, what allocate() commits
+        self.bytes_per_block = self.physical_bytes = 0
+        self._views = views
+
+    def committed_kv_cache_tensors(self, kv_cache_config, layout, num_blocks):
+        size = num_blocks * self.bytes_per_block
+        return [
+            t if t.host_resident else dataclasses.replace(t, size=size)
+            for t in kv_cache_config.kv_cache_tensors
+        ]
+
+    def commit(self, num_blocks, defragment=False, shrink=False):
+        num_blocks = min(num_blocks, self.capacity_blocks)
+        if shrink or num_blocks > self.num_committed_blocks:
+            self.num_committed_blocks = num_blocks
+
+    def committed_views(self, kv_cache_config, layout, kernel_block_sizes=None):
+        assert kv_cache_config.num_blocks == self.num_committed_blocks
+        return {name: view.view(view.shape) for name, view in self._views.items()}
+
+
+@MRV2
+@pytest.mark.skipif(
+    vllm_release() in ("0.32.0", "0.33.0"),
+    reason="vLLM 0.32 and 0.33 have no extensible KV cache (extend_kv_cache)",
+)
+@pytest.mark.parametrize(
+    ("pp", "holds_layer"),
+    [(2, False), (2, True), (1, True)],
+    ids=["stage without the layer", "last stage", "one stage"],
+)
+def test_the_connector_extend_kv_cache_makes(model_dir, tmp_path, pp, holds_layer):
+    """vLLM 0.34's extensible KV cache (on by default on CUDA, never on a
+    CPU) makes the runner's connector again once it commits its final size,
+    by its own import of ``get_kv_connector``: run its ``extend_kv_cache``
+    on a runner whose cache is :class:`FakeExtensibleKVCache`, with vLLM's
+    hidden-states connector. A stage without the layer gets the stand-in
+    (vLLM's connector would assert there); the stage with it, or a config
+    not extracting across stages, vLLM's connector."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        ensure_kv_transfer_shutdown,
+    )
+    from vllm.v1.worker.extensible_kv_cache import extend_kv_cache
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+    from cg_extract.speculator import ExtractHiddenStatesSpeculator
+    from vllm_on_cpu.harness import (
+        attach_target_graph_outputs,
+        load_speculator,
+        resolve_layout,
+        single_process_group,
+    )
+
+    kv_transfer = transfer(
+        "ExampleHiddenStatesConnector", shared_storage_path=str(tmp_path)
+    )
+    cfg = build_vllm_config(
+        model_dir,
+        engine_args={"pipeline_parallel_size": pp, "kv_transfer_config": kv_transfer},
+    )
+    loaded = load_speculator(ExtractHiddenStatesSpeculator, cfg)
+    attach_target_graph_outputs(loaded, [1])  # the runner's KV-cache config
+    cfg, config = loaded.vllm_config, loaded.speculator.kv_cache_config
+    resolve_layout(cfg, {loaded.layer_name: config.kv_cache_groups[0].kv_cache_spec})
+    views = {"model.layers.0.self_attn.attn": torch.zeros(config.num_blocks, 2)}
+    if holds_layer:
+        views[loaded.layer_name] = loaded.kv_cache
+    runner = SimpleNamespace(
+        vllm_config=cfg,
+        cache_config=cfg.cache_config,
+        compilation_config=cfg.compilation_config,
+        kv_cache_config=copy.copy(config),
+        kernel_block_sizes=None,
+        attn_groups=[],
+        speculator=loaded.speculator,
+        device=torch.device("cpu"),
+        kv_caches_by_layer=dict(views),
+        kv_connector=None,
+        extensible_kv_cache=FakeExtensibleKVCache(config.num_blocks, views),
+    )
+    with single_process_group(cfg):
+        try:
+            extend_kv_cache(runner, config, config.num_blocks // 2)
+        finally:
+            ensure_kv_transfer_shutdown()
+    assert runner.kv_cache_config.num_blocks == config.num_blocks // 2
+    if pp > 1 and not holds_layer:
+        assert isinstance(
+            runner.kv_connector, pipeline_parallel.HiddenStatesOnLastStage
+        )
+        assert not runner.kv_connector.every_worker_reports  # vLLM's counts 1
+    else:
+        assert type(runner.kv_connector) is ActiveKVConnector
+        kind = type(runner.kv_connector.kv_connector).__name__
+        assert kind == "ExampleHiddenStatesConnector"
+
+
 @pytest.mark.parametrize("count", [1, None], ids=["writers only", "every worker"])
 def test_a_step_without_a_forward_reports_as_one_with_it(count):
     """``no_forward`` (a step that schedules no token on this worker) must
@@ -443,6 +564,9 @@ def test_vllms_own_refusals_reach_the_user_unchanged(
     with pytest.raises(ValueError) as refused:
         build_vllm_config(model_dir, engine_args={**PP, **extra})
     message = str(refused.value)
-    assert "Model Runner V2 does not yet support: " in message, message
+    vllms = {"0.34.0": "The GPU model runner does not support: "}.get(
+        vllm_release(), "Model Runner V2 does not yet support: "
+    )
+    assert vllms in message, message
     assert reason in message, message
     assert "cg_extract" not in message
