@@ -14,7 +14,7 @@ TORCH_CPU := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU_SOURCE = $(VENV)/bin/python -m pip install -q --dry-run --no-index --no-deps '$(TORCH_CPU)' >/dev/null 2>&1 || echo --extra-index-url $(TORCH_CPU_INDEX)
 
-.PHONY: test e2e lint sweep perf-gate venv venv-0.33 clean torch-index
+.PHONY: test e2e lint sweep perf-gate venv venv-0.33 venv-0.34 clean torch-index
 
 venv: $(STAMP)
 
@@ -30,6 +30,17 @@ TESTS_033 := tests/vllm_objects tests/vllm_engine/test_e2e_generate.py \
 venv-0.33: $(STAMP)
 	$(VENV)/bin/python compat/release_on_cpu.py $(VENV) $(VENV_033) 0.33.0
 
+# The same for vLLM 0.34.0 (what `pip install vllm` gives since 2026-11-16):
+# the 0.33 session's files but the series' (upstream/ targets 0.33.0). vLLM
+# 0.34 starts on an x86 CPU only with a Triton "cpu" backend, so the whole
+# session runs with the rig's stand-in (vllm_on_cpu/site/sitecustomize.py).
+VENV_034 := .venv-0.34
+TESTS_034 := $(filter-out tests/vllm_engine/test_upstream_series.py,$(TESTS_033))
+ENV_034 := CG_EXTRACT_EXPECT_VLLM=0.34.0 TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR)/vllm_on_cpu/site
+
+venv-0.34: $(STAMP)
+	$(VENV)/bin/python compat/release_on_cpu.py $(VENV) $(VENV_034) 0.34.0
+
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
@@ -42,9 +53,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 ifeq ($(EXTRA),cpu)
-test: $(STAMP) venv-0.33
+test: $(STAMP) venv-0.33 venv-0.34
 	$(VENV)/bin/python -m pytest -q --durations=25  # the slowest, for the CI time budget
 	CG_EXTRACT_EXPECT_VLLM=0.33.0 $(VENV_033)/bin/python -m pytest -q --durations=15 $(TESTS_033)
+	$(ENV_034) $(VENV_034)/bin/python -m pytest -q --durations=15 $(TESTS_034)
 else
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q --durations=25
@@ -70,4 +82,4 @@ torch-index:
 	@$(TORCH_CPU_SOURCE)
 
 clean:
-	rm -rf $(VENV) $(VENV_033)
+	rm -rf $(VENV) $(VENV_033) $(VENV_034)

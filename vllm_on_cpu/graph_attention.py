@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
@@ -31,6 +30,11 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_on_cpu import cuda_graph
+
+try:  # vLLM 0.34 moved the CPU attention ops out of _custom_ops
+    from vllm import _cpu_ops as ops
+except ImportError:  # vLLM 0.32, 0.33
+    from vllm import _custom_ops as ops
 
 OP = "vllm_on_cpu::graph_attention"
 PATH = f"{__name__}.GraphCPUAttentionBackend"
