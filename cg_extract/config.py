@@ -158,8 +158,11 @@ def given_keys(vllm_config: Any) -> set[str]:
 
 
 def _given(vllm_config: Any) -> Mapping[str, Any] | None:
-    """Our keys in the config, or None where none were given."""
-    additional = getattr(vllm_config, "additional_config", None) or {}
+    """Our keys in the config, or None where none were given (or where the
+    config is not vLLM's: vLLM's own tests hand its functions mocks)."""
+    additional = getattr(vllm_config, "additional_config", None)
+    if not isinstance(additional, Mapping):
+        return None
     return additional.get(ADDITIONAL_CONFIG_KEY)
 
 

@@ -163,6 +163,14 @@ def engine_env(way: str, **extra: str) -> dict[str, str]:
 ASYNC_SCHEDULING = "VLLM_ON_CPU_ASYNC_SCHEDULING"
 
 
+# STAND-IN for a machine with a NUMA node per data-parallel rank: vLLM 0.34
+# binds DP rank r's CPU worker to NUMA node r (assigned_physical_gpu_ids) and
+# finds none on a one-node machine. Set, vLLM's CPU memory lookup keeps every
+# node the process may use (utils/cpu_resource_utils.py); "0" leaves its
+# thread binding unsimulated (utils/ompmultiprocessing.py).
+ONE_NUMA_NODE = {"VLLM_CPU_SIM_MULTI_NUMA": "0"}
+
+
 def pipeline_env(way: str) -> dict[str, str]:
     """What an engine of ``way`` across pipeline stages adds to its
     environment on a CPU: async scheduling kept, as a GPU keeps it
@@ -173,11 +181,18 @@ def pipeline_env(way: str) -> dict[str, str]:
 
 def install_pp_stand_ins() -> None:
     """In a process of an engine :data:`PP_STAND_INS` marks: before its
-    config is built (the draft's SupportsPP answer) and in its workers (the
-    KV connector of a stage without the hidden-state layer)."""
+    config is built (a draft model declaring SupportsPP, which leaves vLLM
+    its own speculator: :mod:`vllm_on_cpu.pp_draft_model`) and in its workers
+    (the KV connector of a stage without the hidden-state layer)."""
     if os.environ.get(PP_STAND_INS) == "1":
+        from vllm import ModelRegistry
+
         from cg_extract import pipeline_parallel
 
+        ModelRegistry.register_model(
+            "ExtractHiddenStatesModel",
+            "vllm_on_cpu.pp_draft_model:ExtractHiddenStatesModel",
+        )
         pipeline_parallel.install()
 
 

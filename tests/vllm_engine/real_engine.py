@@ -84,7 +84,12 @@ SERIES_PLANTS = {
 
 def series_patches(workdir: Path) -> list[Path]:
     """upstream/'s patches, or copies of them in ``workdir`` with the bug
-    :data:`SERIES_PLANTED_BUG` names planted in 0002."""
+    :data:`SERIES_PLANTED_BUG` names planted in 0002. Skips on a vLLM the
+    series does not target."""
+    from vllm_on_cpu.harness import vllm_release
+
+    if vllm_release() == "0.34.0":
+        pytest.skip("upstream/'s series targets vLLM 0.33.0 (issue 62 moves it)")
     sys.path.insert(0, str(ROOT / "upstream"))
     import apply_series
 

@@ -50,6 +50,7 @@ from tests.vllm_engine.users_client import fetch_all
 from vllm_on_cpu import step_log
 from vllm_on_cpu.engine import (
     CAPTURE_SIZES,
+    ONE_NUMA_NODE,
     ROOT,
     SERIES,
     SERIES_DIR,
@@ -84,7 +85,7 @@ def served(model_dir, tmp_path_factory):
         "reference", "vllm", model_dir, workdir, "--scenarios", *WAVES
     )
     steps = workdir / "steps"
-    env = engine_env("graphs", **{step_log.STEP_LOG: str(steps)})
+    env = engine_env("graphs", **{step_log.STEP_LOG: str(steps)}, **ONE_NUMA_NODE)
     with serve(kwargs, env, workdir / "server.log") as base_url:
         run_engines([reference.engine], timeout=300)
         got = client_waves(base_url, model_dir)
