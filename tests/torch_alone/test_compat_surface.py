@@ -118,11 +118,13 @@ def test_the_installed_vllm_reads_as_committed():
     assert recorded == committed(version)
 
 
-def test_the_0_33_release_reads_as_committed():
-    """From 0.33.0's source distribution (its vllm/ is the wheel's Python)."""
-    source = vllm_release.sdist("0.33.0")
-    assert vllm_surface.Source(source).version() == "0.33.0"
-    assert list(vllm_surface.record(source)) == committed("0.33.0")
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_the_newer_releases_read_as_committed(version):
+    """From the release's source distribution (its vllm/ is the wheel's
+    Python)."""
+    source = vllm_release.sdist(version)
+    assert vllm_surface.Source(source).version() == version
+    assert list(vllm_surface.record(source)) == committed(version)
 
 
 def test_a_changed_signature_shows(monkeypatch):
