@@ -109,13 +109,20 @@ def checkout(vllm: Path, out: Path, tests_from: Path | None = None) -> None:
     out.mkdir(parents=True)
     mirror(vllm.resolve(), out)
     if tests_from is not None:
-        shutil.copytree(
-            tests_from / "tests",
-            out / "tests",
-            copy_function=os.symlink,
-            ignore=shutil.ignore_patterns("__pycache__"),
-        )
-        shutil.copyfile(tests_from / "pyproject.toml", out / "pyproject.toml")
+        link_tests(tests_from, out)
+
+
+def link_tests(source: Path, out: Path) -> None:
+    """``source``'s (a vLLM source tree's) ``tests/`` into ``out`` as
+    symlinks in real folders (``__pycache__`` lands in ``out``, not in
+    ``source``), and its ``pyproject.toml`` (pytest's markers)."""
+    shutil.copytree(
+        source / "tests",
+        out / "tests",
+        copy_function=os.symlink,
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    shutil.copyfile(source / "pyproject.toml", out / "pyproject.toml")
 
 
 def apply_series(

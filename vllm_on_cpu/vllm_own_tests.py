@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 from compat import vllm_release
+from upstream.apply_series import link_tests
 from upstream.vllm_tests import OFFLINE_MODELS
 from vllm_on_cpu.plugin_loaded import HEADER
 
@@ -104,17 +104,9 @@ def counts(run: Run) -> dict[str, int]:
 
 
 def tree(version: str, into: Path) -> Path:
-    """``into`` made a folder to run ``version``'s tests from: its
-    ``tests/`` as symlinks in real folders (``__pycache__`` lands here, not
-    in the cache) and its ``pyproject.toml`` (pytest's markers)."""
-    sdist = vllm_release.sdist(version)
-    shutil.copytree(
-        sdist / "tests",
-        into / "tests",
-        copy_function=os.symlink,
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    shutil.copyfile(sdist / "pyproject.toml", into / "pyproject.toml")
+    """``into`` made a folder to run ``version``'s tests from (its
+    ``tests/``, without its ``vllm/``: the installed one is imported)."""
+    link_tests(vllm_release.sdist(version), into)
     return into
 
 
