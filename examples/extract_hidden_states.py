@@ -3,8 +3,9 @@ CUDA-graph write, and read them back.
 
     python examples/extract_hidden_states.py [MODEL] [OUT_DIR]
 
-For a CUDA GPU with vllm==0.33.0 (README, "Status": not yet run on one). On
-a CPU it cannot work: vLLM runs its V1 runner there, without cg_extract, and
+For a CUDA GPU with vllm==0.34.0 or 0.33.0 (README, "Status": not yet run
+on one). On a CPU it cannot work: vLLM 0.32/0.33 run their V1 runner there,
+without cg_extract, 0.34 refuses an x86 CPU without triton-cpu, and
 ExampleHiddenStatesConnector needs CUDA (README, "Limits", "On a CPU").
 """
 

@@ -176,7 +176,7 @@ def resolve_layout(vllm_config, specs: dict[str, Any]) -> None:
 
 
 def vllm_release() -> str:
-    """The installed vLLM's release ("0.32.0", "0.33.0"), for tests that
+    """The installed vLLM's release ("0.32.0", "0.33.0", "0.34.0"), for tests that
     state each release's expectation and check the installed one's."""
     import vllm
 

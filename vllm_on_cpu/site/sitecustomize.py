@@ -51,7 +51,7 @@ Two more, in every process where ``TRITON_INTERPRET=1``:
 
 * A STAND-IN for Triton's interpreter's limits: ``CpuPlatform.check_and_update_config``
   turns vLLM's JIT kernel warm-up off (``kernel_config.enable_jit_warmup``,
-  as ``enforce_eager`` does). vLLM 0.33's CPU worker runs MRv2's warm-up
+  as ``enforce_eager`` does). vLLM 0.33's and 0.34's CPU worker run MRv2's warm-up
   (``v1/worker/cpu_worker.py``, ``compile_or_warm_up_model``; 0.32's does
   not), which launches the grammar-bitmask kernel
   (``v1/worker/gpu/structured_outputs.py``, ``_apply_grammar_bitmask_kernel``);
@@ -63,7 +63,7 @@ Two more, in every process where ``TRITON_INTERPRET=1``:
   types the comparison ``int1``: vLLM's kernel is right, the interpreter is
   not. The warm-up only compiles kernels ahead of the first request.
 * Where ``CG_EXTRACT_EXPECT_VLLM`` names a version, importing ``vllm`` fails
-  unless ``vllm.__version__`` is that version: a test session on vLLM 0.33.0
+  unless ``vllm.__version__`` is that version: a test session on vLLM 0.33.0 or 0.34.0
   (``make test``) cannot have an engine process silently run another.
 """
 
