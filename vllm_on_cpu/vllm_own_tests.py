@@ -18,6 +18,7 @@ error, skipped): messages carry addresses and timings.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -108,6 +109,24 @@ def tree(version: str, into: Path) -> Path:
     ``tests/``, without its ``vllm/``: the installed one is imported)."""
     link_tests(vllm_release.sdist(version), into)
     return into
+
+
+def tests_calling(version: str, test_file: str, names: set[str]) -> list[str]:
+    """The tests of ``version``'s ``test_file`` whose body calls one of
+    ``names`` (a function, or a method of that name), as node ids: a large
+    file's tests of one function, without the rest."""
+    tree_ = ast.parse((vllm_release.sdist(version) / test_file).read_text())
+    return [
+        f"{test_file}::{node.name}"
+        for node in tree_.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.name.startswith("test_")
+        and any(
+            isinstance(call, ast.Call)
+            and getattr(call.func, "id", getattr(call.func, "attr", None)) in names
+            for call in ast.walk(node)
+        )
+    ]
 
 
 def environment(folder: Path, models: Path) -> dict[str, str]:

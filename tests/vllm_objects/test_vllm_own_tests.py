@@ -39,18 +39,24 @@ COMMON = [
     # The architecture register_model rebinds, imported through the registry.
     "tests/models/test_registry.py::test_registry_imports[ExtractHiddenStatesModel]",
 ]
-SELECTION = {
-    # get_kv_cache_groups and get_kv_cache_configs live in kv_cache_utils.
-    "0.32.0": [*COMMON, "tests/v1/core/test_kv_cache_utils.py"],
-    # ... and from 0.33 in kv_cache_planning, behind the config builder.
-    "0.33.0": [*COMMON, "tests/v1/core/test_kv_cache_planning.py"],
-    "0.34.0": [
-        *COMMON,
-        "tests/v1/core/test_kv_cache_planning.py",
-        # The speculator-method seam 0.34's port goes through.
-        "tests/v1/spec_decode/test_custom_speculator.py",
-    ],
+# get_kv_cache_groups and get_kv_cache_configs (split_kv_cache_groups, the
+# refusal hint) are in kv_cache_utils in 0.32, in kv_cache_planning from
+# 0.33: their tests there, not the files' block-hashing and the rest.
+KV_CACHE_LAYOUT = {
+    "0.32.0": "tests/v1/core/test_kv_cache_utils.py",
+    "0.33.0": "tests/v1/core/test_kv_cache_planning.py",
+    "0.34.0": "tests/v1/core/test_kv_cache_planning.py",
 }
+GROUPING = {"get_kv_cache_groups", "get_kv_cache_configs"}
+# The speculator-method seam 0.34's port goes through.
+NEW_IN = {"0.34.0": ["tests/v1/spec_decode/test_custom_speculator.py"]}
+
+
+def selection(release: str) -> list[str]:
+    layout = vllm_own_tests.tests_calling(release, KV_CACHE_LAYOUT[release], GROUPING)
+    return [*COMMON, *layout, *NEW_IN.get(release, [])]
+
+
 # The test whose failure with the plugin loaded opened issue 61.
 WHITE_BOX = (
     "tests/v1/worker/test_gpu_extract_hidden_states_speculator.py::"
@@ -61,14 +67,14 @@ WHITE_BOX = (
 @pytest.fixture(scope="module")
 def comparison() -> vllm_own_tests.Comparison:
     release = vllm_release()
-    if release not in SELECTION:
+    if release not in KV_CACHE_LAYOUT:
         pytest.skip(f"no selection of vLLM {release}'s tests")
     try:
         releases.sdist(release)
     # urllib's errors are OSErrors; RuntimeError: not listed, or a bad sha256.
     except (OSError, RuntimeError) as error:
         pytest.skip(f"vLLM {release}'s source distribution cannot be fetched: {error}")
-    return vllm_own_tests.compare(SELECTION[release], release, timeout=900)
+    return vllm_own_tests.compare(selection(release), release, timeout=900)
 
 
 def test_the_plugin_was_installed_in_one_run_only(comparison):
