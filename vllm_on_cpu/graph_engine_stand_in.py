@@ -67,8 +67,10 @@ def install() -> None:
                 cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
             )
             self.worker_cls = WORKER
+        # vLLM 0.34 leaves it None (its own default, 1.0 or 0.92, is meant
+        # for a GPU's memory).
         self.gpu_memory_utilization = min(
-            self.gpu_memory_utilization, HOST_MEMORY_SHARE
+            self.gpu_memory_utilization or HOST_MEMORY_SHARE, HOST_MEMORY_SHARE
         )
         self.num_gpu_blocks_override = NUM_BLOCKS
         kv = self.kv_transfer_config

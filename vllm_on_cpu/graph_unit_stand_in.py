@@ -12,13 +12,15 @@ it drops that skip from every collected test that carries it (in that run,
 0002's only: ``tests/vllm_engine/test_upstream_series.py`` checks which
 tests it ran, by name) and, around each such test only, puts in place
 :mod:`vllm_on_cpu.cuda_graph`'s fake graph API (a capture records the
-region's ops, a replay runs them again on the captured tensors) and the host
-calls a CUDA capture makes that a CPU lacks.
+region's ops, a replay runs them again on the captured tensors), the host
+calls a CUDA capture makes that a CPU lacks, and the host as vLLM's CPU
+worker sets it up (unpinned buffers), which 0002's tests build on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -44,9 +46,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def fake_cuda_graphs():
     """:mod:`vllm_on_cpu.cuda_graph`'s graph API and the host calls a CUDA
     capture makes that a CPU lacks, in place until the block ends; yields the
-    ``MonkeyPatch`` that holds them (``upstream/count_ops_0002.py`` uses it)."""
+    ``MonkeyPatch`` that holds them."""
     from vllm.forward_context import DPMetadata
-    from vllm.v1.worker.gpu import cudagraph_utils
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.cpu import buffer_utils as cpu_buffer_utils
+    from vllm.v1.worker.gpu import buffer_utils, cudagraph_utils
 
     from vllm_on_cpu import cuda_graph
 
@@ -57,7 +61,11 @@ def fake_cuda_graphs():
         # What a capture on CUDA syncs, streams and frees: a CPU's ops are
         # done when they return, and it has no stream to capture on.
         m.setattr(
-            cudagraph_utils, "graph_capture", lambda device: contextlib.nullcontext()
+            cudagraph_utils,
+            "graph_capture",
+            lambda device, stream=None: contextlib.nullcontext(
+                types.SimpleNamespace(stream=stream)
+            ),
         )
         m.setattr(cudagraph_utils, "current_stream", lambda: None)
         m.setattr(torch.accelerator, "synchronize", lambda *args: None)
@@ -66,6 +74,11 @@ def fake_cuda_graphs():
         # their reads (cuda_graph.host_work says why it must be told).
         make = staticmethod(cuda_graph.host_work(DPMetadata.make))
         m.setattr(DPMetadata, "make", make)
+        # The host as vLLM's CPU worker sets it up (v1/worker/cpu/shm.py):
+        # unpinned host buffers; and the graph pool this run makes, dropped
+        # after it.
+        m.setattr(buffer_utils, "UvaBuffer", cpu_buffer_utils.UvaBuffer)
+        m.setattr(type(current_platform), "_global_graph_pool", None)
         yield m
 
 

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's pre-commit hooks on upstream/'s series (upstream/precommit.py),
+"""vLLM 0.34.0's pre-commit hooks on upstream/'s series (upstream/precommit.py),
 each tool from the package registry at the version its hook pins, in a tool
 environment of its own under $CG_EXTRACT_CACHE. No vLLM import: the hooks
 read vLLM's source distribution."""

@@ -69,8 +69,14 @@ SERIES_PLANTS = {
     ),
     # the speculator never replays its graphs
     "eager_speculator": (
-        "+        if self.cudagraph_manager is None or is_profile:\n",
+        "+        if self.cudagraph_manager is None:\n",
         "+        if True:  # PLANTED BUG: the speculator always eager\n",
+    ),
+    # the captured (replayed) write lands one slot off
+    "slot_off_by_one": (
+        "+                    slot_mapping=slot_mappings,\n",
+        "+                    slot_mapping={k: v + 1 for k, v in slot_mappings.items()},"
+        "  # PLANTED BUG: the graph writes one slot off\n",
     ),
     # the speculator captures all but its largest size (those steps eager)
     "some_sizes": (
@@ -88,8 +94,8 @@ def series_patches(workdir: Path) -> list[Path]:
     series does not target."""
     from vllm_on_cpu.harness import vllm_release
 
-    if vllm_release() == "0.34.0":
-        pytest.skip("upstream/'s series targets vLLM 0.33.0 (issue 62 moves it)")
+    if vllm_release() != "0.34.0":
+        pytest.skip("upstream/'s series is made against vLLM 0.34.0")
     sys.path.insert(0, str(ROOT / "upstream"))
     import apply_series
 
