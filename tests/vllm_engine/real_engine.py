@@ -61,6 +61,8 @@ UPSTREAM = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states"
 # CG_EXTRACT_SERIES_PLANTED_BUG names one, the series is applied with that
 # line of 0002 changed, in the scratch copy the test makes.
 SERIES_PLANTED_BUG = "CG_EXTRACT_SERIES_PLANTED_BUG"
+# The release upstream/'s series is made against; its tests skip elsewhere.
+SERIES_RELEASE = "0.34.0"
 SERIES_PLANTS = {
     # the series without its DP fix: a capture hands no ranks' token counts
     "no_dp_token_counts": (
@@ -94,8 +96,8 @@ def series_patches(workdir: Path) -> list[Path]:
     series does not target."""
     from vllm_on_cpu.harness import vllm_release
 
-    if vllm_release() != "0.34.0":
-        pytest.skip("upstream/'s series is made against vLLM 0.34.0")
+    if vllm_release() != SERIES_RELEASE:
+        pytest.skip(f"upstream/'s series is made against vLLM {SERIES_RELEASE}")
     sys.path.insert(0, str(ROOT / "upstream"))
     import apply_series
 

@@ -37,6 +37,7 @@ pytest.importorskip("vllm")
 from tests.vllm_engine.real_engine import (
     SERIES_PLANTED_BUG,
     SERIES_PLANTS,
+    SERIES_RELEASE,
     require_cpu_engine,
     series_patches,
 )
@@ -44,7 +45,7 @@ from vllm_on_cpu.engine import ROOT, SITE, cpu_env
 from vllm_on_cpu.harness import vllm_release
 
 pytestmark = pytest.mark.e2e
-RELEASE = "0.34.0"  # the release the series is made against
+RELEASE = SERIES_RELEASE
 if vllm_release() != RELEASE:
     pytest.skip(
         f"upstream/'s series is made against vLLM {RELEASE}, not {vllm_release()}",
