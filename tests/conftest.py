@@ -60,20 +60,22 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-@pytest.fixture
-def vllm_logging_level_kept():
-    """For tests that run ``perf/sweep.py``'s ``main`` in pytest's process:
-    it sets ``VLLM_LOGGING_LEVEL`` (ERROR) for the process it expects to own,
-    and the next vLLM config built here would apply it to every later test's
-    loggers (``cg_extract_log`` would read nothing). Given back after the test."""
-    import os
-
-    saved = os.environ.get("VLLM_LOGGING_LEVEL")
+@pytest.fixture(autouse=True)
+def environ_kept():
+    """Each test gives back the environment it started with. vLLM writes
+    ``os.environ`` as it builds a config in this process (the CPU platform's
+    thread and allocator settings; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for
+    the external launcher), and ``perf/sweep.py``'s ``main`` sets
+    ``VLLM_LOGGING_LEVEL``. Kept, they reach every later test and each
+    process it spawns: an engine of vLLM's tests then runs in the test's own
+    process, where ``load_hidden_states`` waits forever (issue 62's CI hang)."""
+    saved = dict(os.environ)
     yield
-    if saved is None:
-        os.environ.pop("VLLM_LOGGING_LEVEL", None)
-    else:
-        os.environ["VLLM_LOGGING_LEVEL"] = saved
+    for name in os.environ.keys() - saved.keys():
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

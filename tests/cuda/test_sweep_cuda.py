@@ -14,8 +14,6 @@ from perf.kernel_engine import KernelEngine
 from perf.measure import count_step, graph_steps_kept
 from tests.torch_alone.test_sweep import TINY, params, read_csv
 
-pytestmark = pytest.mark.usefixtures("vllm_logging_level_kept")
-
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_tokens", [1, 3, 16, 40])

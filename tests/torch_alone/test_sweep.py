@@ -26,8 +26,6 @@ from perf.kernel_engine import KernelEngine
 from perf.measure import count_step, graph_steps_kept, interleaved_schedule
 from perf.nvml import NvmlSampler
 
-pytestmark = pytest.mark.usefixtures("vllm_logging_level_kept")
-
 REPO = Path(__file__).resolve().parents[2]
 ISSUE_COLUMNS = [
     *("engine", "mode", "device", "num_tokens", "padded_tokens"),

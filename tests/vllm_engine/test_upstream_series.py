@@ -24,7 +24,6 @@ not, and the series' CI must stay within 5 minutes.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -212,17 +211,15 @@ def test_the_engine_tests_pass_on_the_cpu_stand_in(tmp_path):
         "PYTHONPATH": os.pathsep.join(map(str, (tree, ROOT, SITE))),
     }
     args = ("-q", "-p", "no:warnings", "--tb=short", "--show-capture=no")
-    try:
-        proc = vllm_tests.run_engine_tests(
-            tree, *args, env=env, capture_output=True, timeout=420
-        )
-    except subprocess.TimeoutExpired:
-        # Seen once (issue 62's CI rehearsal): the engine test idle past
-        # 14 minutes, cause not found. One more try, said in the output.
-        print("the series' engine tests timed out after 420 s; running them again")
-        proc = vllm_tests.run_engine_tests(
-            tree, *args, env=env, capture_output=True, timeout=420
-        )
+    # vLLM's CI job starts each engine in its own process; with the engine in
+    # the test's process, the test waits in load_hidden_states for good (issue
+    # 62's CI: conftest.environ_kept).
+    assert env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1", (
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0 left in the environment by an earlier test"
+    )
+    proc = vllm_tests.run_engine_tests(
+        tree, *args, env=env, capture_output=True, timeout=420
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1].startswith("2 passed"), proc.stdout[-500:]
 
