@@ -21,7 +21,6 @@ Two stand-ins:
 from __future__ import annotations
 
 import os
-import sys
 
 from vllm_on_cpu.engine import SERIES, pipeline_env
 
@@ -34,13 +33,7 @@ def pytest_configure(config) -> None:
     (name,) = env
     assert name == "VLLM_ON_CPU_ASYNC_SCHEDULING"
     # sitecustomize ran before this process set the variable.
-    module = sys.modules.get("vllm.platforms.cpu")
-    if module is not None:
-        sitecustomize._keep_async_scheduling(module)
-    else:
-        sitecustomize._after_import(
-            "vllm.platforms.cpu", sitecustomize._keep_async_scheduling
-        )
+    sitecustomize.keep_async_scheduling()
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -169,6 +169,18 @@ def _after_import(name: str, patch) -> None:
     sys.meta_path.insert(0, Finder())
 
 
+def keep_async_scheduling() -> None:
+    """What ``VLLM_ON_CPU_ASYNC_SCHEDULING=1`` does at a process's start, for
+    a process that sets the variable later (a pytest plugin)."""
+    import sys
+
+    module = sys.modules.get("vllm.platforms.cpu")
+    if module is not None:
+        _keep_async_scheduling(module)
+    else:
+        _after_import("vllm.platforms.cpu", _keep_async_scheduling)
+
+
 def _skip_jit_warmup(module) -> None:
     platform = module.CpuPlatform
     check = platform.check_and_update_config.__func__
